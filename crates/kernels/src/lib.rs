@@ -1,0 +1,260 @@
+//! Device-kernel layer: the only crate that knows what a device is.
+//!
+//! Everything above (LoRA, model, engine) holds activations as [`Tensor`]s and weights as
+//! [`Weight`]s and calls ops through the [`Device`] trait object. The CPU implementation lives in
+//! [`cpu`]; a CUDA implementation plugs in behind the `cuda` feature with its own [`Storage`]
+//! variant, without the model changing.
+//!
+//! Conventions: activations are f32, row-major `[rows, cols]`. Linear weights are `[out, in]`
+//! (PyTorch order) so `y = x · Wᵀ`. Computation accumulates in f32 whatever the weight dtype.
+
+pub mod cpu;
+
+use std::fmt;
+use std::sync::Arc;
+
+/// Where a [`Device`] computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda(usize),
+}
+
+impl fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceKind::Cpu => write!(f, "cpu"),
+            DeviceKind::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::Cuda(0)),
+            _ => match s.strip_prefix("cuda:").map(|n| n.parse::<usize>()) {
+                Some(Ok(i)) => Ok(DeviceKind::Cuda(i)),
+                _ => Err(format!("unknown device `{s}` (expected cpu, cuda or cuda:N)")),
+            },
+        }
+    }
+}
+
+/// Storage dtype of weights kept in memory. Compute is always f32-accumulated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    Bf16,
+}
+
+impl std::str::FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" | "float32" => Ok(DType::F32),
+            "bf16" | "bfloat16" => Ok(DType::Bf16),
+            _ => Err(format!("unknown dtype `{s}` (expected f32 or bf16)")),
+        }
+    }
+}
+
+/// Device memory behind a tensor.
+pub enum Storage {
+    Cpu(Vec<f32>),
+}
+
+/// A flat f32 activation buffer on some device. Shape bookkeeping is the caller's: ops take
+/// explicit row/column counts, which keeps buffers reusable across steps of different sizes
+/// (the capacity is fixed; the logical size varies).
+pub struct Tensor {
+    storage: Storage,
+}
+
+impl Tensor {
+    pub fn cpu(data: Vec<f32>) -> Self {
+        Tensor { storage: Storage::Cpu(data) }
+    }
+    pub fn zeros_cpu(len: usize) -> Self {
+        Tensor::cpu(vec![0.0; len])
+    }
+    pub fn capacity(&self) -> usize {
+        match &self.storage {
+            Storage::Cpu(v) => v.len(),
+        }
+    }
+    /// Host view. Panics on device storage: callers that need host data on any device go
+    /// through [`Device::to_host`].
+    pub fn as_cpu(&self) -> &[f32] {
+        match &self.storage {
+            Storage::Cpu(v) => v,
+        }
+    }
+    pub fn as_cpu_mut(&mut self) -> &mut [f32] {
+        match &mut self.storage {
+            Storage::Cpu(v) => v,
+        }
+    }
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+}
+
+/// Element data of a weight matrix.
+pub enum WeightData {
+    F32(Vec<f32>),
+    Bf16(Vec<half::bf16>),
+}
+
+/// A `[rows, cols]` = `[out, in]` matrix (or an embedding table `[vocab, hidden]`).
+pub struct Weight {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: WeightData,
+}
+
+impl Weight {
+    pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>, dtype: DType) -> Self {
+        assert_eq!(data.len(), rows * cols, "weight data does not match its shape");
+        let data = match dtype {
+            DType::F32 => WeightData::F32(data),
+            DType::Bf16 => WeightData::Bf16(data.iter().map(|&x| half::bf16::from_f32(x)).collect()),
+        };
+        Weight { rows, cols, data }
+    }
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            WeightData::F32(_) => DType::F32,
+            WeightData::Bf16(_) => DType::Bf16,
+        }
+    }
+    pub fn size_bytes(&self) -> usize {
+        match &self.data {
+            WeightData::F32(v) => v.len() * 4,
+            WeightData::Bf16(v) => v.len() * 2,
+        }
+    }
+    /// Row `r` converted to f32 into `out` (len `cols`).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let c = self.cols;
+        match &self.data {
+            WeightData::F32(v) => out.copy_from_slice(&v[r * c..(r + 1) * c]),
+            WeightData::Bf16(v) => {
+                for (o, x) in out.iter_mut().zip(&v[r * c..(r + 1) * c]) {
+                    *o = x.to_f32();
+                }
+            }
+        }
+    }
+}
+
+/// Geometry of a paged KV cache: `num_blocks` blocks of `block_size` tokens, each token holding
+/// `n_kv_heads × head_dim` keys and as many values, per layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    pub num_layers: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// Floats per layer for K (and as many for V).
+    pub fn layer_len(&self) -> usize {
+        self.num_blocks * self.block_size * self.n_kv_heads * self.head_dim
+    }
+    pub fn bytes_per_block(&self) -> usize {
+        2 * self.num_layers * self.block_size * self.n_kv_heads * self.head_dim * 4
+    }
+}
+
+/// Paged K/V storage for every layer, on the device that computes attention.
+pub struct KvStorage {
+    pub layout: KvLayout,
+    /// Per layer: K then V, each `layout.layer_len()` floats.
+    pub k: Vec<Tensor>,
+    pub v: Vec<Tensor>,
+}
+
+/// Per-sequence view of a varlen batch, as attention needs it. All slices are host-side
+/// metadata living in preallocated buffers owned by the caller.
+pub struct AttnBatch<'a> {
+    /// Token-row offsets of each sequence's new tokens: `seq_starts[s]..seq_starts[s+1]`.
+    pub seq_starts: &'a [u32],
+    /// Absolute position of each new token (row).
+    pub positions: &'a [u32],
+    /// Total context length of each sequence after this step (cached + new).
+    pub ctx_lens: &'a [u32],
+    /// Block table of each sequence: `block_tables[s*stride .. s*stride + ceil(ctx/bs)]`.
+    pub block_tables: &'a [u32],
+    pub block_table_stride: usize,
+}
+
+/// Rotary position embedding tables (cos/sin per position and frequency), precomputed once.
+pub struct RopeTable {
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub max_pos: usize,
+    /// `[max_pos, rotary_dim/2]`
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+/// The ops a model needs. One implementation per device; the model holds `Arc<dyn Device>`.
+pub trait Device: Send + Sync {
+    fn kind(&self) -> DeviceKind;
+
+    /// A zeroed activation buffer of `len` floats.
+    fn alloc(&self, len: usize) -> Tensor;
+    /// Copy the first `len` floats to host memory.
+    fn to_host(&self, t: &Tensor, len: usize, out: &mut [f32]);
+    /// Copy host data into the start of `t`.
+    fn upload(&self, data: &[f32], t: &mut Tensor);
+    /// Move weights onto the device (identity on CPU).
+    fn load_weight(&self, w: Weight) -> Weight {
+        w
+    }
+
+    /// `y[m, n] = x[m, k] · W[n, k]ᵀ (+ bias[n])`.
+    fn matmul(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Tensor);
+    /// `out[t] = table[ids[t]]` for an embedding table `[vocab, hidden]`.
+    fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor);
+    /// `out = rmsnorm(x) * w` row-wise over `rows × dim`.
+    fn rms_norm(&self, x: &Tensor, w: &[f32], eps: f32, rows: usize, dim: usize, out: &mut Tensor);
+    /// `resid += delta` then `out = rmsnorm(resid) * w`.
+    fn add_rms_norm(&self, resid: &mut Tensor, delta: &Tensor, w: &[f32], eps: f32, rows: usize, dim: usize, out: &mut Tensor);
+    /// `resid += delta` over `len` floats.
+    fn add_inplace(&self, resid: &mut Tensor, delta: &Tensor, len: usize);
+    /// Rotate-half RoPE applied in place to the q and k parts of a fused `[rows, q+k+v]` buffer.
+    fn rope_qk(&self, qkv: &mut Tensor, rows: usize, positions: &[u32], n_heads: usize, n_kv_heads: usize, table: &RopeTable);
+    /// `out[r, i] = silu(gu[r, i]) * gu[r, inter + i]` for a fused `[rows, 2·inter]` buffer.
+    fn silu_mul(&self, gate_up: &Tensor, rows: usize, inter: usize, out: &mut Tensor);
+    /// Writes each row's k/v (from the fused qkv buffer) into the paged cache of `layer`, then
+    /// computes causal attention of each new query against its sequence's whole context.
+    /// `out` is `[rows, n_heads·head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention(&self, qkv: &Tensor, batch: &AttnBatch<'_>, kv: &mut KvStorage, layer: usize, n_heads: usize, scale: f32, out: &mut Tensor);
+    /// Gather rows: `out[i] = x[rows[i]]` with row width `dim`.
+    fn gather_rows(&self, x: &Tensor, rows: &[u32], dim: usize, out: &mut Tensor);
+    /// Allocate a paged KV store.
+    fn alloc_kv(&self, layout: KvLayout) -> KvStorage {
+        KvStorage {
+            layout,
+            k: (0..layout.num_layers).map(|_| self.alloc(layout.layer_len())).collect(),
+            v: (0..layout.num_layers).map(|_| self.alloc(layout.layer_len())).collect(),
+        }
+    }
+}
+
+/// Builds the device named by `kind`, or says why it cannot be used here.
+pub fn open_device(kind: DeviceKind) -> anyhow::Result<Arc<dyn Device>> {
+    match kind {
+        DeviceKind::Cpu => Ok(Arc::new(cpu::CpuDevice::new())),
+        DeviceKind::Cuda(_) => anyhow::bail!(
+            "device {kind} requested but this build has no CUDA support (rebuild with `--features cuda`)"
+        ),
+    }
+}

@@ -1,0 +1,1 @@
+//! Multi-LoRA: PEFT adapters, the LoRA memory pool, batch metadata and pluggable backends.

@@ -1,0 +1,1 @@
+//! Chat templates rendered with minijinja, byte-identical to transformers.

@@ -1,0 +1,1 @@
+//! Model configuration from config.json or GGUF metadata.

@@ -1,0 +1,1 @@
+//! Hugging Face safetensors (single file or sharded index), memory-mapped.

@@ -1,0 +1,9 @@
+//! The model layer: file formats, tokenizer, chat templates, and the Llama-family forward pass.
+//!
+//! The forward pass is written once against `quiver_kernels::Device`; it never names a device
+//! and never names a LoRA backend: LoRA deltas enter through the `quiver_lora::LoraHook` seam.
+
+pub mod chat;
+pub mod config;
+pub mod formats;
+pub mod tokenizer;

@@ -1,0 +1,1 @@
+//! Tokenizer (HF tokenizer.json or GGUF metadata).
