@@ -1,1 +1,154 @@
-//! CPU kernels
+//! CPU implementation of the device ops: faer for f32 GEMMs, hand-written loops elsewhere,
+//! threads through rayon. Scratch space comes from thread-local buffers that only grow, so a
+//! steady-state decode step allocates nothing.
+
+mod attention;
+mod gemm;
+
+use crate::{AttnBatch, Device, DeviceKind, KvStorage, RopeTable, Tensor, Weight, WeightData};
+use rayon::prelude::*;
+
+pub use gemm::matmul_f32;
+
+/// The CPU device. Stateless: every op works on the buffers it is given.
+#[derive(Default)]
+pub struct CpuDevice;
+
+impl CpuDevice {
+    pub fn new() -> Self {
+        CpuDevice
+    }
+}
+
+/// Rows per rayon task for row-wise elementwise ops: big enough to amortize scheduling.
+const ROW_CHUNK: usize = 8;
+
+fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (ss + eps).sqrt();
+    for ((o, &xv), &wv) in out.iter_mut().zip(x).zip(w) {
+        *o = (xv * inv) * wv;
+    }
+}
+
+impl Device for CpuDevice {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cpu
+    }
+
+    fn alloc(&self, len: usize) -> Tensor {
+        Tensor::zeros_cpu(len)
+    }
+
+    fn to_host(&self, t: &Tensor, len: usize, out: &mut [f32]) {
+        out[..len].copy_from_slice(&t.as_cpu()[..len]);
+    }
+
+    fn upload(&self, data: &[f32], t: &mut Tensor) {
+        t.as_cpu_mut()[..data.len()].copy_from_slice(data);
+    }
+
+    fn matmul(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Tensor) {
+        let (k, n) = (w.cols, w.rows);
+        let x = &x.as_cpu()[..m * k];
+        let y = &mut y.as_cpu_mut()[..m * n];
+        match &w.data {
+            WeightData::F32(wd) => gemm::matmul_f32(x, m, k, wd, n, y, false),
+            WeightData::Bf16(wd) => gemm::matmul_bf16(x, m, k, wd, n, y),
+        }
+        if let Some(b) = bias {
+            y.par_chunks_mut(n).for_each(|row| {
+                for (o, &bv) in row.iter_mut().zip(b) {
+                    *o += bv;
+                }
+            });
+        }
+    }
+
+    fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) {
+        let h = table.cols;
+        let out = &mut out.as_cpu_mut()[..ids.len() * h];
+        out.par_chunks_mut(h).zip(ids.par_iter()).for_each(|(row, &id)| table.row_f32(id as usize, row));
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &[f32], eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
+        let x = &x.as_cpu()[..rows * dim];
+        let out = &mut out.as_cpu_mut()[..rows * dim];
+        out.par_chunks_mut(dim * ROW_CHUNK).zip(x.par_chunks(dim * ROW_CHUNK)).for_each(|(o, xi)| {
+            for (orow, xrow) in o.chunks_mut(dim).zip(xi.chunks(dim)) {
+                rms_norm_row(xrow, w, eps, orow);
+            }
+        });
+    }
+
+    fn add_rms_norm(&self, resid: &mut Tensor, delta: &Tensor, w: &[f32], eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
+        let r = &mut resid.as_cpu_mut()[..rows * dim];
+        let d = &delta.as_cpu()[..rows * dim];
+        let out = &mut out.as_cpu_mut()[..rows * dim];
+        out.par_chunks_mut(dim * ROW_CHUNK)
+            .zip(r.par_chunks_mut(dim * ROW_CHUNK))
+            .zip(d.par_chunks(dim * ROW_CHUNK))
+            .for_each(|((o, ri), di)| {
+                for ((orow, rrow), drow) in o.chunks_mut(dim).zip(ri.chunks_mut(dim)).zip(di.chunks(dim)) {
+                    for (a, b) in rrow.iter_mut().zip(drow) {
+                        *a += b;
+                    }
+                    rms_norm_row(rrow, w, eps, orow);
+                }
+            });
+    }
+
+    fn add_inplace(&self, resid: &mut Tensor, delta: &Tensor, len: usize) {
+        let r = &mut resid.as_cpu_mut()[..len];
+        let d = &delta.as_cpu()[..len];
+        r.par_chunks_mut(4096).zip(d.par_chunks(4096)).for_each(|(a, b)| {
+            for (x, y) in a.iter_mut().zip(b) {
+                *x += y;
+            }
+        });
+    }
+
+    fn rope_qk(&self, qkv: &mut Tensor, rows: usize, positions: &[u32], n_heads: usize, n_kv_heads: usize, t: &RopeTable) {
+        let hd = t.head_dim;
+        let width = (n_heads + 2 * n_kv_heads) * hd;
+        let half = t.rotary_dim / 2;
+        let qkv = &mut qkv.as_cpu_mut()[..rows * width];
+        qkv.par_chunks_mut(width).zip(positions.par_iter()).for_each(|(row, &pos)| {
+            let pos = (pos as usize).min(t.max_pos - 1);
+            let cos = &t.cos[pos * half..(pos + 1) * half];
+            let sin = &t.sin[pos * half..(pos + 1) * half];
+            // q heads then k heads are contiguous at the start of the fused row.
+            for head in row[..(n_heads + n_kv_heads) * hd].chunks_mut(hd) {
+                let (a, b) = head[..t.rotary_dim].split_at_mut(half);
+                for i in 0..half {
+                    let (x0, x1) = (a[i], b[i]);
+                    a[i] = x0 * cos[i] - x1 * sin[i];
+                    b[i] = x1 * cos[i] + x0 * sin[i];
+                }
+            }
+        });
+    }
+
+    fn silu_mul(&self, gate_up: &Tensor, rows: usize, inter: usize, out: &mut Tensor) {
+        let gu = &gate_up.as_cpu()[..rows * 2 * inter];
+        let out = &mut out.as_cpu_mut()[..rows * inter];
+        out.par_chunks_mut(inter).zip(gu.par_chunks(2 * inter)).for_each(|(o, g)| {
+            let (gate, up) = g.split_at(inter);
+            for ((ov, &gv), &uv) in o.iter_mut().zip(gate).zip(up) {
+                *ov = gv / (1.0 + (-gv).exp()) * uv;
+            }
+        });
+    }
+
+    fn paged_attention(&self, qkv: &Tensor, batch: &AttnBatch<'_>, kv: &mut KvStorage, layer: usize, n_heads: usize, scale: f32, out: &mut Tensor) {
+        attention::paged_attention(qkv, batch, kv, layer, n_heads, scale, out)
+    }
+
+    fn gather_rows(&self, x: &Tensor, rows: &[u32], dim: usize, out: &mut Tensor) {
+        let x = x.as_cpu();
+        let out = &mut out.as_cpu_mut()[..rows.len() * dim];
+        for (o, &r) in out.chunks_mut(dim).zip(rows) {
+            o.copy_from_slice(&x[r as usize * dim..(r as usize + 1) * dim]);
+        }
+    }
+}
