@@ -4,6 +4,53 @@
 //! the embedding gather and the LM head) it hands the hook the layer input and the base output,
 //! and the hook adds every row's adapter delta in place. The model names no backend and no
 //! device; rows without an adapter cost nothing.
+//!
+//! # Pieces (one concept per file)
+//! - [`config`]: PEFT `adapter_config.json` semantics (rsLoRA, rank/alpha patterns, target and
+//!   exclude matching, `layers_to_transform`) and every refusal.
+//! - [`adapter`]: one adapter's weights in host memory, validated against the model dims.
+//! - [`mem_pool`]: the preallocated slot buffers the kernels read.
+//! - [`eviction_policy`]: LRU / FIFO victim choice over slots.
+//! - [`registry`]: names, versions, in-flight counts and the host-memory cache.
+//! - [`batch`]: per-step metadata in fixed, reused buffers.
+//! - [`backend`]: kernels (`reference`, `segmented`, `chunked`, `auto`) behind a registry.
+//! - [`manager`]: [`LoraManager`], the object the engine owns, and [`BatchHook`], what the model
+//!   consumes.
+//!
+//! # Memory layout (shared by pool, kernels and reference)
+//! Packed, rank-exact per site. For slot `w`, layer `l`, site with `n` slices (qkv 3, gate_up 2,
+//! others 1), the pool stores a *site rank* `r = ranks[w][l][site]` (the largest rank of the
+//! slices present; 0 when the adapter lacks the whole site). Slice `j`'s `lora_A` occupies A rows
+//! `[j·r, j·r + r_j)` of `A[w]` (`(n·R, in)`), its `lora_B` occupies columns `[0, r_j)` of rows
+//! `off_j..off_{j+1}` of `B[w]` (`(out, R)`).
+//!
+//! **Invariant:** every other element of a slot (A rows and B columns beyond a slice's rank,
+//! slices and sites the adapter lacks, the whole tail up to `R`) is zero, because loading a slot
+//! first zeroes it. Kernels contract over exactly `r` (never the padded `R`), so mixed ranks
+//! cost nothing extra; the zeroed tail makes a kernel that did contract over `R` still correct
+//! (no stale rank-64 tail under a rank-8 adapter, no evicted adapter leaking into a module the
+//! new one lacks). Scaling is kept per slice in f32 and applied inside the expand, never folded
+//! into B. Rows with no adapter are in no slot and no segment.
+
+pub mod adapter;
+pub mod backend;
+pub mod batch;
+pub mod config;
+pub mod error;
+pub mod eviction_policy;
+pub mod manager;
+pub mod mem_pool;
+pub mod registry;
+
+pub use adapter::LoraAdapter;
+pub use backend::{backend_names, validate_backend, LoraBackend};
+pub use batch::LoraBatchInfo;
+pub use config::{AdapterConfig, LoraModule};
+pub use error::LoraError;
+pub use eviction_policy::EvictionPolicy;
+pub use manager::{BatchHook, LoraConfig, LoraManager};
+pub use mem_pool::LoraMemoryPool;
+pub use registry::{AdapterId, AdapterKey, AdapterInfo};
 
 use quiver_kernels::Tensor;
 
@@ -19,6 +66,49 @@ pub enum LinearSite {
     GateUp,
     /// MLP down projection.
     Down,
+}
+
+impl LinearSite {
+    pub const ALL: [LinearSite; 4] = [LinearSite::Qkv, LinearSite::O, LinearSite::GateUp, LinearSite::Down];
+    pub fn index(self) -> usize {
+        self as usize
+    }
+    /// The PEFT projections fused into this site, in output order.
+    pub fn modules(self) -> &'static [LoraModule] {
+        use LoraModule::*;
+        match self {
+            LinearSite::Qkv => &[QProj, KProj, VProj],
+            LinearSite::O => &[OProj],
+            LinearSite::GateUp => &[GateProj, UpProj],
+            LinearSite::Down => &[DownProj],
+        }
+    }
+}
+
+impl LoraModelDims {
+    /// `(in, out)` of a projection or of the embedding / LM head (`in` = vocab for the
+    /// embedding, whose lora_A is `(r, vocab)`).
+    pub fn module_dims(&self, m: LoraModule) -> (usize, usize) {
+        use LoraModule::*;
+        match m {
+            QProj => (self.hidden, self.q_out),
+            KProj | VProj => (self.hidden, self.kv_out),
+            OProj => (self.q_out, self.hidden),
+            GateProj | UpProj => (self.hidden, self.intermediate),
+            DownProj => (self.intermediate, self.hidden),
+            EmbedTokens => (self.vocab, self.hidden),
+            LmHead => (self.hidden, self.vocab),
+        }
+    }
+    /// Input width and fused slice widths of a site.
+    pub fn site_dims(&self, site: LinearSite) -> (usize, [usize; 3], usize) {
+        match site {
+            LinearSite::Qkv => (self.hidden, [self.q_out, self.kv_out, self.kv_out], 3),
+            LinearSite::O => (self.q_out, [self.hidden, 0, 0], 1),
+            LinearSite::GateUp => (self.hidden, [self.intermediate, self.intermediate, 0], 2),
+            LinearSite::Down => (self.intermediate, [self.hidden, 0, 0], 1),
+        }
+    }
 }
 
 /// Dimensions of the base model that the LoRA pool and kernels are built for.

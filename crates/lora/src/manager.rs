@@ -1,0 +1,419 @@
+//! [`LoraManager`]: the object the engine owns. It holds the registry (names, versions,
+//! in-flight counts, host cache), the slot pool, the chosen backend and the reused batch
+//! metadata; [`LoraManager::prepare_batch`] makes a batch's adapters resident and returns the
+//! [`BatchHook`] the model's forward pass calls.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use quiver_kernels::{DeviceKind, Tensor};
+
+use crate::backend::{create_backend, LoraBackend, LoraInput, Scratch, DEFAULT_BACKEND};
+use crate::batch::{LoraBatchInfo, DEFAULT_CHUNK_SIZE};
+use crate::config::LoraModule;
+use crate::error::{LoraError, Result};
+use crate::eviction_policy::EvictionPolicy;
+use crate::mem_pool::LoraMemoryPool;
+use crate::registry::{AdapterInfo, AdapterKey, LoraRegistry};
+use crate::{LinearSite, LoraAdapter, LoraHook, LoraModelDims};
+
+/// Serving-time LoRA settings (the CLI flags).
+#[derive(Clone, Debug)]
+pub struct LoraConfig {
+    /// Slots `S`: distinct adapters in one batch (base rows take no slot).
+    pub max_loras_per_batch: usize,
+    /// Pool rank `R`; adapters above it are refused.
+    pub max_lora_rank: usize,
+    /// Adapters whose weights stay in host memory (LRU beyond; pinned exempt).
+    pub max_loaded_loras: usize,
+    pub eviction_policy: EvictionPolicy,
+    /// Backend name (see [`crate::backend_names`]).
+    pub backend: String,
+    /// Modules the pool has buffers for; adapters targeting others are refused.
+    pub target_modules: Vec<LoraModule>,
+    /// Rows per chunk of the chunked backend.
+    pub chunk_size: usize,
+    /// Token rows the batch buffers are preallocated for (larger batches grow them once).
+    pub max_batch_tokens: usize,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        LoraConfig {
+            max_loras_per_batch: 8,
+            max_lora_rank: 64,
+            max_loaded_loras: 64,
+            eviction_policy: EvictionPolicy::Lru,
+            backend: DEFAULT_BACKEND.to_string(),
+            target_modules: LoraModule::PROJECTIONS.to_vec(),
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            max_batch_tokens: 2048,
+        }
+    }
+}
+
+pub struct LoraManager {
+    dims: LoraModelDims,
+    config: LoraConfig,
+    device: DeviceKind,
+    pool: LoraMemoryPool,
+    registry: LoraRegistry,
+    backend: Box<dyn LoraBackend>,
+    batch: LoraBatchInfo,
+    scratch: Mutex<Scratch>,
+    batch_keys: Vec<AdapterKey>,
+    seq_slots: Vec<Option<u32>>,
+}
+
+impl LoraManager {
+    /// Validates the configuration and allocates the slot pool once.
+    pub fn new(dims: LoraModelDims, config: LoraConfig, device: DeviceKind) -> Result<Self> {
+        let backend = create_backend(&config.backend, device).map_err(LoraError::Invalid)?;
+        if config.max_loaded_loras < config.max_loras_per_batch {
+            return Err(LoraError::Invalid(format!(
+                "max_loaded_loras ({}) must be at least max_loras_per_batch ({})",
+                config.max_loaded_loras, config.max_loras_per_batch
+            )));
+        }
+        if config.target_modules.is_empty() {
+            return Err(LoraError::Invalid("LoRA target_modules is empty".into()));
+        }
+        let pool = LoraMemoryPool::new(dims, config.max_loras_per_batch, config.max_lora_rank, &config.target_modules, config.eviction_policy)?;
+        tracing::info!(bytes = pool.size_bytes(), slots = config.max_loras_per_batch, rank = config.max_lora_rank, "allocated LoRA memory pool");
+        let s = config.max_loras_per_batch;
+        let mut scratch = Scratch::default();
+        // Decode-sized scratch up front; prefill grows it once.
+        crate::backend::ensure(&mut scratch.shrink, config.max_batch_tokens.min(256) * 3 * config.max_lora_rank);
+        Ok(LoraManager {
+            batch: LoraBatchInfo::with_capacity(s, config.max_batch_tokens, config.chunk_size),
+            registry: LoraRegistry::new(config.max_loaded_loras),
+            scratch: Mutex::new(scratch),
+            batch_keys: Vec::with_capacity(s + 1),
+            seq_slots: Vec::with_capacity(config.max_batch_tokens),
+            dims,
+            config,
+            device,
+            pool,
+            backend,
+        })
+    }
+
+    pub fn dims(&self) -> &LoraModelDims {
+        &self.dims
+    }
+    pub fn config(&self) -> &LoraConfig {
+        &self.config
+    }
+    pub fn device(&self) -> DeviceKind {
+        self.device
+    }
+    pub fn pool(&self) -> &LoraMemoryPool {
+        &self.pool
+    }
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// Loads the PEFT adapter at `path` under a new name. Refuses a name already loaded.
+    pub fn load_adapter(&mut self, name: &str, path: impl AsRef<Path>) -> Result<AdapterKey> {
+        self.load_adapter_with(name, path, false)
+    }
+
+    /// Like [`Self::load_adapter`]; a pinned adapter takes a slot now and is never evicted
+    /// (from its slot or from host memory).
+    pub fn load_adapter_with(&mut self, name: &str, path: impl AsRef<Path>, pinned: bool) -> Result<AdapterKey> {
+        if self.registry.resolve(name).is_some() {
+            return Err(LoraError::AlreadyLoaded(name.to_string()));
+        }
+        if pinned {
+            self.check_can_pin()?;
+        }
+        let adapter = self.read_adapter(name, path.as_ref())?;
+        let (key, _) = self.registry.insert(name, path.as_ref(), adapter, false);
+        if pinned {
+            if let Err(e) = self.pin(name, true) {
+                self.remove_version(key);
+                return Err(e);
+            }
+        }
+        self.registry.enforce_host_cap(&[key]);
+        Ok(key)
+    }
+
+    /// Loads new weights under an existing name: a new version; requests holding the old one
+    /// keep it until they release it. Pinning carries over.
+    pub fn replace_adapter(&mut self, name: &str, path: impl AsRef<Path>) -> Result<AdapterKey> {
+        let old = self.registry.resolve(name).ok_or_else(|| LoraError::UnknownAdapter(name.to_string()))?;
+        let was_pinned = self.registry.versions.get(&old.version).is_some_and(|e| e.pinned);
+        let adapter = self.read_adapter(name, path.as_ref())?;
+        let (key, _) = self.registry.insert(name, path.as_ref(), adapter, false);
+        if let Some(s) = self.pool.slot_of(old) {
+            self.pool.set_pinned(s, false);
+        }
+        self.collect(old);
+        if was_pinned {
+            self.pin(name, true)?;
+        }
+        self.registry.enforce_host_cap(&[key]);
+        Ok(key)
+    }
+
+    /// Removes `name`. Its weights go now if no request holds them, else at the last release.
+    pub fn unload_adapter(&mut self, name: &str) -> Result<()> {
+        let key = self.registry.remove_name(name)?;
+        if let Some(s) = self.pool.slot_of(key) {
+            self.pool.set_pinned(s, false);
+        }
+        self.collect(key);
+        Ok(())
+    }
+
+    /// Pins or unpins the current version of `name`. Pinning may not take the last slot.
+    pub fn pin(&mut self, name: &str, pinned: bool) -> Result<()> {
+        let key = self.registry.resolve(name).ok_or_else(|| LoraError::UnknownAdapter(name.to_string()))?;
+        let slot = self.pool.slot_of(key);
+        if !pinned {
+            self.registry.set_pinned(key, false);
+            if let Some(s) = slot {
+                self.pool.set_pinned(s, false);
+            }
+            return Ok(());
+        }
+        if slot.is_some_and(|s| self.pool.is_pinned(s)) {
+            return Ok(());
+        }
+        self.check_can_pin()?;
+        let s = match slot {
+            Some(s) => s,
+            None => self.make_resident(key, &[])?,
+        };
+        self.pool.set_pinned(s, true);
+        self.registry.set_pinned(key, true);
+        Ok(())
+    }
+
+    /// Marks a request as using the current version of `name`; the returned key is what the
+    /// request keeps (and what the prefix cache keys on). Pair with [`Self::release`].
+    pub fn acquire(&mut self, name: &str) -> Result<AdapterKey> {
+        self.registry.acquire(name)
+    }
+
+    /// A request holding `key` finished.
+    pub fn release(&mut self, key: AdapterKey) {
+        if self.registry.release(key) {
+            self.collect(key);
+        }
+    }
+
+    /// The current version of `name`.
+    pub fn resolve(&self, name: &str) -> Option<AdapterKey> {
+        self.registry.resolve(name)
+    }
+    pub fn in_flight(&self, key: AdapterKey) -> usize {
+        self.registry.in_flight(key)
+    }
+    /// `(slot, key)` of every slot-resident adapter.
+    pub fn resident(&self) -> Vec<(usize, AdapterKey)> {
+        (0..self.pool.num_slots()).filter_map(|s| self.pool.owner(s).map(|k| (s, k))).collect()
+    }
+    pub fn is_resident(&self, key: AdapterKey) -> bool {
+        self.pool.slot_of(key).is_some()
+    }
+    pub fn in_host_memory(&self, key: AdapterKey) -> bool {
+        self.registry.in_host_memory(key)
+    }
+    /// Every registered version (current ones and superseded ones still in use), by version.
+    pub fn adapters(&self) -> Vec<AdapterInfo> {
+        let mut v: Vec<AdapterInfo> = self
+            .registry
+            .all()
+            .map(|(key, e)| AdapterInfo {
+                name: e.name.clone(),
+                key,
+                path: PathBuf::from(&e.path),
+                current: e.current,
+                pinned: e.pinned,
+                in_flight: e.in_flight,
+                in_host_memory: e.weights.is_some(),
+                slot: self.pool.slot_of(key),
+                max_rank: e.max_rank,
+            })
+            .collect();
+        v.sort_by_key(|a| a.key.version);
+        v
+    }
+
+    /// Checks that a batch with these adapters could be made resident (admission control):
+    /// distinct adapters not resident-and-pinned must fit the unpinned slots.
+    pub fn validate_batch(&self, keys: &[Option<AdapterKey>]) -> Result<()> {
+        let mut distinct: Vec<AdapterKey> = keys.iter().flatten().copied().collect();
+        distinct.sort();
+        distinct.dedup();
+        let pinned_in_batch = distinct.iter().filter(|k| self.pool.slot_of(**k).is_some_and(|s| self.pool.is_pinned(s))).count();
+        let free_for_batch = self.pool.num_slots() - self.pool.pinned_count();
+        if distinct.len() - pinned_in_batch > free_for_batch {
+            return Err(LoraError::NoSlot(format!(
+                "batch uses {} distinct adapters ({} pinned) but only {} unpinned slots exist",
+                distinct.len(),
+                pinned_in_batch,
+                free_for_batch
+            )));
+        }
+        Ok(())
+    }
+
+    /// Makes the batch's adapters slot-resident and builds the batch metadata.
+    /// `seq_adapters[s]` is sequence `s`'s adapter (None = base model), its token rows are
+    /// `seq_starts[s]..seq_starts[s+1]`; `logits_rows` are the rows the LM head runs on.
+    pub fn prepare_batch(&mut self, seq_adapters: &[Option<AdapterKey>], seq_starts: &[u32], logits_rows: &[u32]) -> Result<BatchHook<'_>> {
+        self.batch_keys.clear();
+        for k in seq_adapters.iter().flatten() {
+            if !self.batch_keys.contains(k) {
+                if self.batch_keys.len() == self.pool.num_slots() {
+                    return Err(LoraError::NoSlot(format!(
+                        "batch uses more than {} distinct adapters (max_loras_per_batch)",
+                        self.pool.num_slots()
+                    )));
+                }
+                self.batch_keys.push(*k);
+            }
+        }
+        for i in 0..self.batch_keys.len() {
+            let k = self.batch_keys[i];
+            match self.pool.slot_of(k) {
+                Some(s) => {
+                    self.pool.mark_used(s);
+                    self.registry.touch(k);
+                }
+                None => {
+                    let keys = std::mem::take(&mut self.batch_keys);
+                    let r = self.make_resident(k, &keys);
+                    self.batch_keys = keys;
+                    r?;
+                }
+            }
+        }
+        self.seq_slots.clear();
+        for k in seq_adapters {
+            self.seq_slots.push(k.map(|k| self.pool.slot_of(k).expect("made resident above") as u32));
+        }
+        let pool = &self.pool;
+        self.batch.build(&self.seq_slots, seq_starts, logits_rows, |s| pool.slot_max_rank(s))?;
+        Ok(BatchHook { pool: &self.pool, info: &self.batch, backend: &*self.backend, scratch: &self.scratch })
+    }
+
+    /// The metadata of the last prepared batch.
+    pub fn batch_info(&self) -> &LoraBatchInfo {
+        &self.batch
+    }
+
+    // ---- internals --------------------------------------------------------------------------
+
+    fn read_adapter(&self, name: &str, path: &Path) -> Result<LoraAdapter> {
+        let a = LoraAdapter::load(name, path, &self.dims)?;
+        a.check_compatible(self.pool.max_rank(), self.pool.modules())?;
+        Ok(a)
+    }
+
+    fn check_can_pin(&self) -> Result<()> {
+        if self.pool.pinned_count() + 1 >= self.pool.num_slots() {
+            return Err(LoraError::Invalid(format!(
+                "not allowed to pin all LoRA slots: {} of {} slots are pinned and at least one must stay free for unpinned adapters",
+                self.pool.pinned_count(),
+                self.pool.num_slots()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Puts `key` into a slot (free first, else the policy's victim outside `protect`).
+    fn make_resident(&mut self, key: AdapterKey, protect: &[AdapterKey]) -> Result<usize> {
+        let weights = self.registry.weights(key, &self.dims)?;
+        let slot = self.pool.choose_slot(|o| protect.contains(&o))?;
+        if let Some(old) = self.pool.owner(slot) {
+            tracing::debug!(slot, evicted = old.version, loaded = key.version, "LoRA slot eviction");
+            self.pool.free_slot(slot);
+        }
+        self.pool.load(slot, key, &weights)?;
+        self.registry.touch(key);
+        self.registry.enforce_host_cap(protect);
+        Ok(slot)
+    }
+
+    /// Drops `key` entirely if nothing uses it any more, freeing its slot.
+    fn collect(&mut self, key: AdapterKey) {
+        if self.registry.collect(key) {
+            self.remove_slot(key);
+        }
+    }
+
+    fn remove_version(&mut self, key: AdapterKey) {
+        if let Some(e) = self.registry.versions.get(&key.version) {
+            let name = e.name.clone();
+            let _ = self.registry.remove_name(&name);
+        }
+        self.collect(key);
+    }
+
+    fn remove_slot(&mut self, key: AdapterKey) {
+        if let Some(s) = self.pool.slot_of(key) {
+            self.pool.free_slot(s);
+        }
+    }
+}
+
+/// The [`LoraHook`] of one prepared batch.
+pub struct BatchHook<'a> {
+    pool: &'a LoraMemoryPool,
+    info: &'a LoraBatchInfo,
+    backend: &'a dyn LoraBackend,
+    scratch: &'a Mutex<Scratch>,
+}
+
+impl BatchHook<'_> {
+    pub fn info(&self) -> &LoraBatchInfo {
+        self.info
+    }
+    fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
+        // A panic in another kernel call cannot leave Scratch inconsistent (it is only
+        // working memory), so a poisoned lock is still usable.
+        self.scratch.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl LoraHook for BatchHook<'_> {
+    fn linear(&self, layer: usize, site: LinearSite, x: &Tensor, m: usize, y: &mut Tensor) {
+        if !self.info.is_active() {
+            return;
+        }
+        let Some(view) = self.pool.site_view(layer, site) else { return };
+        assert_eq!(m, self.info.tokens.rows(), "LoRA hook called with {m} rows but the batch was prepared for {}", self.info.tokens.rows());
+        let y = &mut y.as_cpu_mut()[..m * view.out_dim];
+        self.backend.apply(&view, &self.info.tokens, LoraInput::Dense(&x.as_cpu()[..m * view.in_dim]), y, &mut self.scratch());
+    }
+
+    fn embedding(&self, ids: &[u32], out: &mut Tensor) {
+        if !self.info.is_active() {
+            return;
+        }
+        let Some(view) = self.pool.embedding_view() else { return };
+        assert_eq!(ids.len(), self.info.tokens.rows(), "LoRA embedding hook: ids do not match the prepared batch");
+        let y = &mut out.as_cpu_mut()[..ids.len() * view.out_dim];
+        self.backend.apply(&view, &self.info.tokens, LoraInput::TokenIds(ids), y, &mut self.scratch());
+    }
+
+    fn lm_head(&self, x: &Tensor, rows: &[u32], logits: &mut Tensor) {
+        if self.info.logits.adapter_rows == 0 {
+            return;
+        }
+        let Some(view) = self.pool.lm_head_view() else { return };
+        assert_eq!(rows, &self.info.logits_rows[..], "LoRA lm_head hook: rows differ from the prepared logits rows");
+        let n = rows.len();
+        let y = &mut logits.as_cpu_mut()[..n * view.out_dim];
+        self.backend.apply(&view, &self.info.logits, LoraInput::Dense(&x.as_cpu()[..n * view.in_dim]), y, &mut self.scratch());
+    }
+
+    fn is_active(&self) -> bool {
+        self.info.is_active()
+    }
+}

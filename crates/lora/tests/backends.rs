@@ -1,0 +1,235 @@
+//! Every backend against `reference` on random batches: mixed ranks below R, base rows,
+//! slot reuse by smaller ranks, absent modules, 2- and 3-slice expands, chunk boundaries,
+//! segments of length 1 and long ones, embedding and lm_head on pruned rows.
+
+mod common;
+
+use common::*;
+use quiver_kernels::DeviceKind;
+use quiver_lora::backend::{create_backend, LoraInput, Scratch};
+use quiver_lora::batch::RowGrouping;
+use quiver_lora::mem_pool::SiteView;
+use quiver_lora::{AdapterKey, LinearSite, LoraConfig, LoraHook, LoraManager, LoraModule};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const BACKENDS: [&str; 3] = ["segmented", "chunked", "auto"];
+
+fn run(name: &str, site: &SiteView<'_>, g: &RowGrouping, input: LoraInput<'_>, y0: &[f32]) -> Vec<f32> {
+    let b = create_backend(name, DeviceKind::Cpu).unwrap();
+    let mut y = y0.to_vec();
+    b.apply(site, g, input, &mut y, &mut Scratch::default());
+    y
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], y0: &[f32]) {
+    let scale = want.iter().zip(y0).map(|(w, b)| (w - b).abs()).fold(1e-3f32, f32::max);
+    let err = got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0f32, f32::max);
+    assert!(err <= 1e-5 * scale.max(1.0), "{what}: max abs error {err} vs delta scale {scale}");
+}
+
+/// Checks all sites of the last prepared batch: every backend vs reference.
+fn check_all(mgr: &LoraManager, rng: &mut StdRng, ids: &[u32], ctx: &str) -> usize {
+    let info = mgr.batch_info();
+    let m = info.tokens.rows();
+    let mut checked = 0;
+    let mut views: Vec<(String, SiteView<'_>, &RowGrouping, bool)> = Vec::new();
+    for l in 0..DIMS.num_layers {
+        for s in LinearSite::ALL {
+            if let Some(v) = mgr.pool().site_view(l, s) {
+                views.push((format!("layer {l} {s:?}"), v, &info.tokens, false));
+            }
+        }
+    }
+    if let Some(v) = mgr.pool().embedding_view() {
+        views.push(("embedding".into(), v, &info.tokens, true));
+    }
+    if let Some(v) = mgr.pool().lm_head_view() {
+        views.push(("lm_head".into(), v, &info.logits, false));
+    }
+    for (what, v, g, is_embed) in views {
+        let rows = g.rows();
+        let x: Vec<f32> = (0..rows * v.in_dim).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let y0: Vec<f32> = (0..rows * v.out_dim).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let input = if is_embed { LoraInput::TokenIds(ids) } else { LoraInput::Dense(&x) };
+        let want = run("reference", &v, g, input, &y0);
+        for b in BACKENDS {
+            let got = run(b, &v, g, input, &y0);
+            assert_close(&format!("{ctx}: {b} {what} (m={m})"), &got, &want, &y0);
+            checked += 1;
+        }
+    }
+    checked
+}
+
+#[test]
+fn backends_match_reference_on_random_batches() {
+    let seed = fresh_seed();
+    eprintln!("seed {seed} (QUIVER_TEST_SEED to replay)");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let module_sets: [&[LoraModule]; 5] = [
+        &LoraModule::ALL,
+        &[LoraModule::QProj, LoraModule::VProj],
+        &[LoraModule::KProj, LoraModule::UpProj, LoraModule::LmHead],
+        &[LoraModule::GateProj, LoraModule::DownProj, LoraModule::OProj, LoraModule::EmbedTokens],
+        &[LoraModule::QProj],
+    ];
+    for round in 0..4 {
+        let rmax = [4usize, 8, 16][round % 3];
+        let slots = rng.random_range(2..=5);
+        let cfg = LoraConfig {
+            max_loras_per_batch: slots,
+            max_lora_rank: rmax,
+            max_loaded_loras: 16,
+            target_modules: LoraModule::ALL.to_vec(),
+            backend: "reference".into(),
+            ..Default::default()
+        };
+        let mut mgr = LoraManager::new(DIMS, cfg, DeviceKind::Cpu).unwrap();
+        // More adapters than slots, ranks 1..=R (several below R), varied modules.
+        let mut keys: Vec<AdapterKey> = Vec::new();
+        for i in 0..slots + 3 {
+            let r = if i == 0 { rmax } else { rng.random_range(1..=rmax) };
+            let mods = module_sets[rng.random_range(0..module_sets.len())];
+            let dir = simple_adapter("rand", rng.random(), r, mods);
+            keys.push(mgr.load_adapter(&format!("a{i}"), &dir).unwrap());
+        }
+        let mut checked = 0;
+        for step in 0..8 {
+            let nseq = rng.random_range(1..=10);
+            let lens = [1u32, 1, 1, 2, 7, 15, 16, 17, 31, 33];
+            let mut starts = vec![0u32];
+            let mut seqs = Vec::new();
+            // Pick at most `slots` distinct adapters for this batch.
+            let mut pool: Vec<AdapterKey> = keys.clone();
+            for i in (1..pool.len()).rev() {
+                pool.swap(i, rng.random_range(0..=i));
+            }
+            pool.truncate(slots);
+            let decode = step % 2 == 0;
+            for _ in 0..nseq {
+                let len = if decode { 1 } else { lens[rng.random_range(0..lens.len())] };
+                starts.push(starts.last().unwrap() + len);
+                seqs.push(if rng.random_bool(0.25) { None } else { Some(pool[rng.random_range(0..pool.len())]) });
+            }
+            let m = *starts.last().unwrap() as usize;
+            let logits: Vec<u32> = starts[1..].iter().map(|s| s - 1).collect();
+            let ids: Vec<u32> = (0..m).map(|_| rng.random_range(0..DIMS.vocab as u32)).collect();
+            mgr.prepare_batch(&seqs, &starts, &logits).unwrap();
+            checked += check_all(&mgr, &mut rng, &ids, &format!("seed {seed} round {round} step {step}"));
+        }
+        assert!(checked > 0);
+    }
+}
+
+#[test]
+fn chunk_boundaries_and_segment_lengths() {
+    let seed = fresh_seed();
+    eprintln!("seed {seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let cfg = LoraConfig { max_loras_per_batch: 3, max_lora_rank: 8, target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
+    let mut mgr = LoraManager::new(DIMS, cfg, DeviceKind::Cpu).unwrap();
+    let a = mgr.load_adapter("a", simple_adapter("cb", rng.random(), 8, &LoraModule::ALL)).unwrap();
+    let b = mgr.load_adapter("b", simple_adapter("cb", rng.random(), 3, &LoraModule::ALL)).unwrap();
+    for rows in [1u32, 15, 16, 17, 31, 32, 33, 48, 300] {
+        // One long segment of `a`.
+        mgr.prepare_batch(&[Some(a)], &[0, rows], &[rows - 1]).unwrap();
+        let ids: Vec<u32> = (0..rows).map(|i| i % DIMS.vocab as u32).collect();
+        check_all(&mgr, &mut rng, &ids, &format!("single segment of {rows}"));
+        // Decode: `rows` sequences of one row, adapters interleaved with base rows.
+        let seqs: Vec<Option<AdapterKey>> = (0..rows).map(|i| [Some(a), Some(b), None][i as usize % 3]).collect();
+        let starts: Vec<u32> = (0..=rows).collect();
+        let logits: Vec<u32> = (0..rows).collect();
+        mgr.prepare_batch(&seqs, &starts, &logits).unwrap();
+        check_all(&mgr, &mut rng, &ids, &format!("interleaved decode of {rows}"));
+    }
+}
+
+/// A rank-2 adapter lacking most modules reuses the only slot after a rank-8 adapter with all
+/// modules: its output must equal a fresh pool holding only it (no stale tail, absent modules
+/// zero).
+#[test]
+fn slot_reuse_by_smaller_rank_leaks_nothing() {
+    let seed = fresh_seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let big = simple_adapter("big", rng.random(), 8, &LoraModule::ALL);
+    let small = simple_adapter("small", rng.random(), 2, &[LoraModule::KProj, LoraModule::UpProj]);
+    let cfg = || LoraConfig { max_loras_per_batch: 1, max_lora_rank: 8, max_loaded_loras: 2, target_modules: LoraModule::ALL.to_vec(), backend: "reference".into(), ..Default::default() };
+    let mut reused = LoraManager::new(DIMS, cfg(), DeviceKind::Cpu).unwrap();
+    let kb = reused.load_adapter("big", &big).unwrap();
+    let ks = reused.load_adapter("small", &small).unwrap();
+    reused.prepare_batch(&[Some(kb)], &[0, 5], &[4]).unwrap();
+    let mut fresh = LoraManager::new(DIMS, cfg(), DeviceKind::Cpu).unwrap();
+    let kf = fresh.load_adapter("small", &small).unwrap();
+    let rows = 5usize;
+    let x_q: Vec<f32> = (0..rows * 64).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let ids: Vec<u32> = (0..rows as u32).collect();
+    for backend in ["reference", "segmented", "chunked", "auto"] {
+        let mut outs = Vec::new();
+        for (mgr, key) in [(&mut reused, ks), (&mut fresh, kf)] {
+            let hook = mgr.prepare_batch(&[Some(key)], &[0, rows as u32], &[4]).unwrap();
+            let _ = hook;
+            let info = mgr.batch_info();
+            let b = create_backend(backend, DeviceKind::Cpu).unwrap();
+            let mut all = Vec::new();
+            let mut views: Vec<(SiteView<'_>, &RowGrouping, bool)> = Vec::new();
+            for l in 0..DIMS.num_layers {
+                for s in LinearSite::ALL {
+                    views.push((mgr.pool().site_view(l, s).unwrap(), &info.tokens, false));
+                }
+            }
+            views.push((mgr.pool().embedding_view().unwrap(), &info.tokens, true));
+            views.push((mgr.pool().lm_head_view().unwrap(), &info.logits, false));
+            for (v, g, emb) in views {
+                let mut y = vec![0.0f32; g.rows() * v.out_dim];
+                let x = &x_q[..g.rows() * v.in_dim.min(64)];
+                let xfull: Vec<f32> = (0..g.rows() * v.in_dim).map(|i| x[i % x.len()]).collect();
+                let input = if emb { LoraInput::TokenIds(&ids) } else { LoraInput::Dense(&xfull) };
+                b.apply(&v, g, input, &mut y, &mut Scratch::default());
+                all.push(y);
+            }
+            outs.push(all);
+        }
+        assert_eq!(outs[0], outs[1], "{backend}: reused slot differs from a fresh one (seed {seed})");
+        // Sites the small adapter lacks (q, v, o, gate, down, embed, lm_head) add nothing.
+        let o_site = &outs[0][LinearSite::O.index()];
+        assert!(o_site.iter().all(|&v| v == 0.0), "{backend}: o_proj delta leaked");
+        let qkv = &outs[0][LinearSite::Qkv.index()];
+        let out = DIMS.q_out + 2 * DIMS.kv_out;
+        for r in 0..rows {
+            let row = &qkv[r * out..(r + 1) * out];
+            assert!(row[..DIMS.q_out].iter().all(|&v| v == 0.0), "{backend}: q slice leaked");
+            assert!(row[DIMS.q_out + DIMS.kv_out..].iter().all(|&v| v == 0.0), "{backend}: v slice leaked");
+            assert!(row[DIMS.q_out..DIMS.q_out + DIMS.kv_out].iter().any(|&v| v != 0.0), "{backend}: k slice missing");
+        }
+    }
+}
+
+/// The hook the model calls: base rows untouched, adapter rows changed; NoLora semantics.
+#[test]
+fn batch_hook_touches_only_adapter_rows() {
+    let mut rng = StdRng::seed_from_u64(fresh_seed());
+    let cfg = LoraConfig { max_loras_per_batch: 2, max_lora_rank: 4, target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
+    let mut mgr = LoraManager::new(DIMS, cfg, DeviceKind::Cpu).unwrap();
+    let a = mgr.load_adapter("a", simple_adapter("hook", rng.random(), 4, &LoraModule::ALL)).unwrap();
+    let hook = mgr.prepare_batch(&[None, Some(a), None], &[0, 2, 5, 6], &[1, 4, 5]).unwrap();
+    assert!(hook.is_active());
+    let out = DIMS.q_out + 2 * DIMS.kv_out;
+    let x = quiver_kernels::Tensor::cpu((0..6 * DIMS.hidden).map(|i| (i as f32 * 0.37).sin()).collect());
+    let mut y = quiver_kernels::Tensor::zeros_cpu(6 * out);
+    hook.linear(1, LinearSite::Qkv, &x, 6, &mut y);
+    let y = y.as_cpu();
+    for r in 0..6 {
+        let touched = y[r * out..(r + 1) * out].iter().any(|&v| v != 0.0);
+        assert_eq!(touched, (2..5).contains(&r), "row {r}");
+    }
+    let x = quiver_kernels::Tensor::cpu((0..3 * DIMS.hidden).map(|i| (i as f32 * 0.11).cos()).collect());
+    let mut logits = quiver_kernels::Tensor::zeros_cpu(3 * DIMS.vocab);
+    hook.lm_head(&x, &[1, 4, 5], &mut logits);
+    let l = logits.as_cpu();
+    assert!(l[..DIMS.vocab].iter().all(|&v| v == 0.0));
+    assert!(l[DIMS.vocab..2 * DIMS.vocab].iter().any(|&v| v != 0.0));
+    assert!(l[2 * DIMS.vocab..].iter().all(|&v| v == 0.0));
+    let hook = mgr.prepare_batch(&[None], &[0, 3], &[2]).unwrap();
+    assert!(!hook.is_active());
+}

@@ -1,0 +1,99 @@
+//! Test helpers: write PEFT adapter directories (safetensors + JSON) into unique temp dirs.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use quiver_lora::{LoraModelDims, LoraModule};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+
+/// Small dims with odd widths so no kernel can rely on multiples of a tile.
+pub const DIMS: LoraModelDims = LoraModelDims { num_layers: 2, hidden: 20, q_out: 20, kv_out: 12, intermediate: 36, vocab: 53 };
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    let d = std::env::temp_dir().join(format!("quiver-lora-{tag}-{}-{n}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub struct T {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+pub fn write_adapter(dir: &PathBuf, config: &serde_json::Value, tensors: &[T]) {
+    std::fs::write(dir.join("adapter_config.json"), serde_json::to_string_pretty(config).unwrap()).unwrap();
+    let bytes: Vec<Vec<u8>> = tensors.iter().map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|(t, b)| (t.name.clone(), TensorView::new(Dtype::F32, t.shape.clone(), b).unwrap()))
+        .collect();
+    let out = safetensors::tensor::serialize(views, None).unwrap();
+    std::fs::write(dir.join("adapter_model.safetensors"), out).unwrap();
+}
+
+pub fn tensor_names(m: LoraModule, layer: usize) -> (String, String) {
+    let p = format!("base_model.model.{}", m.path(layer));
+    match m {
+        LoraModule::EmbedTokens => (format!("{p}.lora_embedding_A"), format!("{p}.lora_embedding_B")),
+        _ => (format!("{p}.lora_A.weight"), format!("{p}.lora_B.weight")),
+    }
+}
+
+/// A random adapter: every module in `modules`, every layer, rank `r`, alpha `alpha`.
+/// `rank_of` may override the rank per (module, layer) (matching a rank_pattern in `extra`).
+pub fn random_adapter(
+    tag: &str,
+    seed: u64,
+    r: usize,
+    alpha: f32,
+    modules: &[LoraModule],
+    rank_of: &dyn Fn(LoraModule, usize) -> usize,
+    extra: serde_json::Value,
+) -> PathBuf {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut tensors = Vec::new();
+    for &m in modules {
+        let layers: Vec<usize> = if m.is_projection() { (0..DIMS.num_layers).collect() } else { vec![0] };
+        for l in layers {
+            let rk = rank_of(m, l);
+            let (din, dout) = DIMS.module_dims(m);
+            let (an, bn) = tensor_names(m, l);
+            tensors.push(T { name: an, shape: vec![rk, din], data: (0..rk * din).map(|_| rng.random_range(-0.5..0.5)).collect() });
+            tensors.push(T { name: bn, shape: vec![dout, rk], data: (0..dout * rk).map(|_| rng.random_range(-0.5..0.5)).collect() });
+        }
+    }
+    let mut cfg = serde_json::json!({
+        "peft_type": "LORA",
+        "r": r,
+        "lora_alpha": alpha,
+        "target_modules": modules.iter().map(|m| m.name()).collect::<Vec<_>>(),
+        "bias": "none",
+    });
+    if let serde_json::Value::Object(e) = extra {
+        for (k, v) in e {
+            cfg[k] = v;
+        }
+    }
+    let dir = temp_dir(tag);
+    write_adapter(&dir, &cfg, &tensors);
+    dir
+}
+
+pub fn simple_adapter(tag: &str, seed: u64, r: usize, modules: &[LoraModule]) -> PathBuf {
+    random_adapter(tag, seed, r, 2.0 * r as f32, modules, &|_, _| r, serde_json::json!({}))
+}
+
+pub fn fresh_seed() -> u64 {
+    let s = std::env::var("QUIVER_TEST_SEED").ok().and_then(|s| s.parse().ok());
+    s.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64)
+}
