@@ -1,1 +1,41 @@
-fn main() {}
+//! `quiver`: one binary, clap subcommands.
+
+mod bench_cmd;
+mod bench_generate;
+mod generate_cmd;
+mod model_path;
+mod serve_cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "quiver", version, about = "Multi-LoRA LLM inference server")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streaming tokens to stdout.
+    Generate(generate_cmd::GenerateArgs),
+    /// Serve the OpenAI-compatible (and SGLang-native) HTTP API with per-request LoRA adapters.
+    Serve(serve_cmd::ServeArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(bench_cmd::BenchCommand),
+}
+
+fn main() {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into())).with_writer(std::io::stderr).init();
+    let cli = Cli::parse();
+    let r = match cli.command {
+        Command::Generate(a) => generate_cmd::run(a),
+        Command::Serve(a) => serve_cmd::run(a),
+        Command::Bench(b) => bench_cmd::run(b),
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,1 +1,212 @@
-//! Model configuration from config.json or GGUF metadata.
+//! Model configuration from an HF `config.json` or from GGUF metadata, normalised to one struct.
+
+use crate::formats::gguf::GgufFile;
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::path::Path;
+
+/// The Llama-family variants Quiver runs. They differ only in details the forward pass reads
+/// from [`ModelConfig`] (biases, rope, tying), so the same code runs all three.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Mistral,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Llama 3.1 frequency-band scaling.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    /// Position interpolation: every frequency divided by `factor`.
+    Linear { factor: f64 },
+    /// Per-frequency divisors read from a GGUF `rope_freqs.weight` tensor.
+    Factors(Vec<f32>),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry biases (Qwen2).
+    pub qkv_bias: bool,
+}
+
+impl ModelConfig {
+    pub fn q_out(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+    pub fn kv_out(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Reads `config.json` of an HF model directory.
+    pub fn from_hf_dir(dir: &Path) -> Result<ModelConfig> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("{}: cannot read", path.display()))?;
+        let v: Value = serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+        Self::from_hf_json(&v).with_context(|| format!("{}", path.display()))
+    }
+
+    pub fn from_hf_json(v: &Value) -> Result<ModelConfig> {
+        let archs: Vec<&str> = v["architectures"].as_array().map(|a| a.iter().filter_map(|x| x.as_str()).collect()).unwrap_or_default();
+        let model_type = v["model_type"].as_str().unwrap_or("");
+        let arch = match (archs.first().copied(), model_type) {
+            (Some("LlamaForCausalLM"), _) | (None, "llama") => Arch::Llama,
+            (Some("Qwen2ForCausalLM"), _) | (None, "qwen2") => Arch::Qwen2,
+            (Some("MistralForCausalLM"), _) | (None, "mistral") => Arch::Mistral,
+            (Some(other), _) => bail!("unsupported architecture `{other}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)"),
+            (None, other) => bail!("unsupported model_type `{other}` and no `architectures` field"),
+        };
+        let req = |k: &str| -> Result<usize> { v[k].as_u64().map(|x| x as usize).with_context(|| format!("missing or non-integer field `{k}`")) };
+        let hidden = req("hidden_size")?;
+        let num_heads = req("num_attention_heads")?;
+        let num_kv_heads = v["num_key_value_heads"].as_u64().map(|x| x as usize).unwrap_or(num_heads);
+        let head_dim = v["head_dim"].as_u64().map(|x| x as usize).unwrap_or(hidden / num_heads.max(1));
+        let rope_scaling = match v.get("rope_scaling") {
+            Some(Value::Object(o)) => {
+                let ty = o.get("rope_type").or_else(|| o.get("type")).and_then(|t| t.as_str()).unwrap_or("");
+                let f = |k: &str| -> Result<f64> { o.get(k).and_then(|x| x.as_f64()).with_context(|| format!("rope_scaling: missing `{k}`")) };
+                match ty {
+                    "llama3" => Some(RopeScaling::Llama3 {
+                        factor: f("factor")?,
+                        low_freq_factor: f("low_freq_factor")?,
+                        high_freq_factor: f("high_freq_factor")?,
+                        original_max_position_embeddings: f("original_max_position_embeddings")?,
+                    }),
+                    "linear" => Some(RopeScaling::Linear { factor: f("factor")? }),
+                    "default" | "" => None,
+                    other => bail!("unsupported rope_scaling type `{other}` (supported: llama3, linear)"),
+                }
+            }
+            _ => None,
+        };
+        let cfg = ModelConfig {
+            arch,
+            vocab_size: req("vocab_size")?,
+            hidden_size: hidden,
+            intermediate_size: req("intermediate_size")?,
+            num_layers: req("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: v["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
+            rope_theta: v["rope_theta"].as_f64().unwrap_or(10000.0),
+            rope_scaling,
+            max_position_embeddings: v["max_position_embeddings"].as_u64().unwrap_or(4096) as usize,
+            tie_word_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
+            qkv_bias: match arch {
+                Arch::Qwen2 => true,
+                _ => v["attention_bias"].as_bool().unwrap_or(false),
+            },
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads `general.architecture` and the `{arch}.*` keys of a GGUF file.
+    pub fn from_gguf(g: &GgufFile) -> Result<ModelConfig> {
+        let arch_name = g.metadata("general.architecture").and_then(|v| v.as_str()).context("missing `general.architecture`")?.to_string();
+        let arch = match arch_name.as_str() {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "mistral" => Arch::Mistral,
+            other => bail!("unsupported GGUF architecture `{other}` (supported: llama, qwen2, mistral)"),
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let req = |k: &str| -> Result<usize> { g.metadata(&key(k)).and_then(|v| v.as_u64()).map(|x| x as usize).with_context(|| format!("missing metadata `{}`", key(k))) };
+        let hidden = req("embedding_length")?;
+        let num_heads = req("attention.head_count")?;
+        let num_kv_heads = g.metadata(&key("attention.head_count_kv")).and_then(|v| v.as_u64()).map(|x| x as usize).unwrap_or(num_heads);
+        let head_dim = g.metadata(&key("attention.key_length")).and_then(|v| v.as_u64()).map(|x| x as usize).unwrap_or(hidden / num_heads.max(1));
+        let vocab_size = match g.tensor_info("token_embd.weight") {
+            Some(t) if t.dims.len() == 2 => t.dims[1] as usize,
+            _ => bail!("missing tensor `token_embd.weight`"),
+        };
+        let rope_scaling = match g.metadata(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+            Some("linear") => Some(RopeScaling::Linear {
+                factor: g.metadata(&key("rope.scaling.factor")).and_then(|v| v.as_f64()).context("rope.scaling.factor missing")?,
+            }),
+            Some("none") | None => None,
+            Some(other) => bail!("unsupported GGUF rope scaling `{other}`"),
+        };
+        let cfg = ModelConfig {
+            arch,
+            vocab_size,
+            hidden_size: hidden,
+            intermediate_size: req("feed_forward_length")?,
+            num_layers: req("block_count")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: g.metadata(&key("attention.layer_norm_rms_epsilon")).and_then(|v| v.as_f64()).unwrap_or(1e-5) as f32,
+            rope_theta: g.metadata(&key("rope.freq_base")).and_then(|v| v.as_f64()).unwrap_or(10000.0),
+            rope_scaling,
+            max_position_embeddings: g.metadata(&key("context_length")).and_then(|v| v.as_u64()).unwrap_or(4096) as usize,
+            tie_word_embeddings: g.tensor_info("output.weight").is_none(),
+            qkv_bias: g.tensor_info("blk.0.attn_q.bias").is_some(),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+            bail!("num_attention_heads {} must be a positive multiple of num_key_value_heads {}", self.num_heads, self.num_kv_heads);
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            bail!("head_dim {} must be even and positive", self.head_dim);
+        }
+        if self.hidden_size == 0 || self.vocab_size == 0 || self.num_layers == 0 || self.intermediate_size == 0 {
+            bail!("hidden_size, vocab_size, num_hidden_layers and intermediate_size must be positive");
+        }
+        Ok(())
+    }
+
+    /// RoPE inverse frequencies, computed in f32 exactly as transformers does so positions far
+    /// into the context rotate identically.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let d = self.head_dim;
+        // transformers computes `1 / base ** (arange(0, d, 2) / d)` in float32: round the power
+        // to f32 before the reciprocal, as torch does.
+        let mut inv: Vec<f32> = (0..d / 2)
+            .map(|i| {
+                let e = ((2 * i) as f32 / d as f32) as f64;
+                1.0f32 / ((self.rope_theta as f32 as f64).powf(e) as f32)
+            })
+            .collect();
+        match &self.rope_scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => inv.iter_mut().for_each(|v| *v /= *factor as f32),
+            Some(RopeScaling::Factors(f)) => inv.iter_mut().zip(f).for_each(|(v, f)| *v /= f),
+            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+                let (factor, lo, hi, old) = (*factor as f32, *low_freq_factor as f32, *high_freq_factor as f32, *original_max_position_embeddings as f32);
+                let low_wavelen = old / lo;
+                let high_wavelen = old / hi;
+                for v in inv.iter_mut() {
+                    let wavelen = 2.0 * std::f32::consts::PI / *v;
+                    let scaled = if wavelen > low_wavelen { *v / factor } else { *v };
+                    let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                    *v = if medium {
+                        let smooth = (old / wavelen - lo) / (hi - lo);
+                        (1.0 - smooth) * scaled / factor + smooth * scaled
+                    } else {
+                        scaled
+                    };
+                }
+            }
+        }
+        inv
+    }
+}

@@ -3,7 +3,15 @@
 //! The forward pass is written once against `quiver_kernels::Device`; it never names a device
 //! and never names a LoRA backend: LoRA deltas enter through the `quiver_lora::LoraHook` seam.
 
+pub mod batch;
 pub mod chat;
 pub mod config;
 pub mod formats;
+pub mod llama;
+pub mod loader;
 pub mod tokenizer;
+
+pub use batch::{ForwardBatch, LogitsFor};
+pub use config::{Arch, ModelConfig};
+pub use llama::{LlamaModel, Workspace};
+pub use loader::{load_model, LoadedModel};

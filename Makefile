@@ -1,0 +1,35 @@
+# Quiver: the two commands of the README, and the steps they are made of.
+CACHE ?= $(CURDIR)/.cache
+export QUIVER_CACHE := $(CACHE)
+CARGO ?= cargo
+QUIVER := target/release/quiver
+
+.PHONY: demo test test-data test-server build model venv clean-refs
+
+demo: model build
+	@echo "== base model, greedy =="
+	$(QUIVER) generate --chat --max-tokens 64 "What is the capital of France? Answer in one sentence."
+
+test: test-data
+	$(CARGO) test --release --workspace
+
+build:
+	$(CARGO) build --release -p quiver
+
+model:
+	@bash scripts/fetch-model.sh >/dev/null
+
+venv:
+	@bash scripts/setup-venv.sh
+
+# Reference data from HF transformers + PEFT (float32, CPU); cached under $(CACHE)/ref.
+test-data: model venv
+	@bash scripts/make-refs.sh
+
+clean-refs:
+	rm -rf $(CACHE)/ref
+
+# HTTP server end to end: real `openai` client, Prometheus parser, shutdown; starts and kills its
+# own servers on ephemeral ports.
+test-server: model venv build
+	$(CACHE)/venv/bin/python tests/server/test_openai_api.py --quiver $(QUIVER)

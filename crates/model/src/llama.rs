@@ -1,0 +1,201 @@
+//! The Llama-family forward pass (Llama 2/3, SmolLM2, Qwen2, Mistral), batched over sequences of
+//! different lengths: one call runs prefill chunks and decode rows together, reading and writing
+//! the paged KV cache through per-sequence block tables.
+//!
+//! q/k/v and gate/up are fused into single weights at load, so each layer runs four GEMMs; the
+//! LoRA hook sees the same four sites (qkv and gate_up as multi-slice expands).
+
+use crate::batch::ForwardBatch;
+use crate::config::ModelConfig;
+use quiver_kernels::{AttnBatch, Device, KvLayout, KvStorage, RopeTable, Tensor, Weight};
+use quiver_lora::{LinearSite, LoraHook, LoraModelDims};
+use std::sync::Arc;
+
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    /// `[q_out + 2·kv_out, hidden]`
+    pub qkv: Weight,
+    pub qkv_bias: Option<Vec<f32>>,
+    pub o: Weight,
+    pub mlp_norm: Vec<f32>,
+    /// `[2·intermediate, hidden]`, gate rows first.
+    pub gate_up: Weight,
+    pub down: Weight,
+}
+
+pub struct LlamaModel {
+    pub config: ModelConfig,
+    pub device: Arc<dyn Device>,
+    pub embed: Weight,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Vec<f32>,
+    /// `None` when tied to the embedding.
+    pub lm_head: Option<Weight>,
+    pub rope: RopeTable,
+}
+
+/// Activation buffers for up to `max_tokens` rows, reused across steps. They grow (never
+/// shrink) when a larger batch arrives, so a steady-state step allocates nothing.
+pub struct Workspace {
+    max_tokens: usize,
+    max_logit_rows: usize,
+    x: Tensor,
+    xn: Tensor,
+    qkv: Tensor,
+    attn: Tensor,
+    delta: Tensor,
+    gate_up: Tensor,
+    act: Tensor,
+    last: Tensor,
+    last_n: Tensor,
+    logits: Tensor,
+    /// Host copy of the logits of the requested rows, `[rows, vocab]`.
+    pub host_logits: Vec<f32>,
+}
+
+impl LlamaModel {
+    pub fn lora_dims(&self) -> LoraModelDims {
+        let c = &self.config;
+        LoraModelDims { num_layers: c.num_layers, hidden: c.hidden_size, q_out: c.q_out(), kv_out: c.kv_out(), intermediate: c.intermediate_size, vocab: c.vocab_size }
+    }
+
+    pub fn build_rope(config: &ModelConfig) -> RopeTable {
+        let inv = config.rope_inv_freq();
+        let half = inv.len();
+        let max_pos = config.max_position_embeddings.clamp(1, 1 << 17);
+        let mut cos = Vec::with_capacity(max_pos * half);
+        let mut sin = Vec::with_capacity(max_pos * half);
+        for p in 0..max_pos {
+            for &f in &inv {
+                // transformers multiplies position and frequency in float32, then takes cos/sin.
+                let a = (p as f32 * f) as f64;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        RopeTable { head_dim: config.head_dim, rotary_dim: config.head_dim, max_pos, cos, sin }
+    }
+
+    /// A paged KV store for this model on its device.
+    pub fn alloc_kv(&self, num_blocks: usize, block_size: usize) -> KvStorage {
+        let c = &self.config;
+        self.device.alloc_kv(KvLayout { num_layers: c.num_layers, num_blocks, block_size, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim })
+    }
+
+    pub fn kv_bytes_per_block(&self, block_size: usize) -> usize {
+        let c = &self.config;
+        KvLayout { num_layers: c.num_layers, num_blocks: 1, block_size, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim }.bytes_per_block()
+    }
+
+    pub fn new_workspace(&self, max_tokens: usize, max_logit_rows: usize) -> Workspace {
+        let mut ws = Workspace {
+            max_tokens: 0,
+            max_logit_rows: 0,
+            x: Tensor::zeros_cpu(0),
+            xn: Tensor::zeros_cpu(0),
+            qkv: Tensor::zeros_cpu(0),
+            attn: Tensor::zeros_cpu(0),
+            delta: Tensor::zeros_cpu(0),
+            gate_up: Tensor::zeros_cpu(0),
+            act: Tensor::zeros_cpu(0),
+            last: Tensor::zeros_cpu(0),
+            last_n: Tensor::zeros_cpu(0),
+            logits: Tensor::zeros_cpu(0),
+            host_logits: Vec::new(),
+        };
+        self.ensure_workspace(&mut ws, max_tokens, max_logit_rows);
+        ws
+    }
+
+    fn ensure_workspace(&self, ws: &mut Workspace, tokens: usize, logit_rows: usize) {
+        let c = &self.config;
+        let d = &self.device;
+        if tokens > ws.max_tokens {
+            let t = tokens.next_power_of_two().max(16);
+            let qkv_w = c.q_out() + 2 * c.kv_out();
+            ws.x = d.alloc(t * c.hidden_size);
+            ws.xn = d.alloc(t * c.hidden_size);
+            ws.qkv = d.alloc(t * qkv_w);
+            ws.attn = d.alloc(t * c.q_out());
+            ws.delta = d.alloc(t * c.hidden_size);
+            ws.gate_up = d.alloc(t * 2 * c.intermediate_size);
+            ws.act = d.alloc(t * c.intermediate_size);
+            ws.max_tokens = t;
+        }
+        if logit_rows > ws.max_logit_rows {
+            let r = logit_rows.next_power_of_two().max(4);
+            ws.last = d.alloc(r * c.hidden_size);
+            ws.last_n = d.alloc(r * c.hidden_size);
+            ws.logits = d.alloc(r * c.vocab_size);
+            ws.host_logits = vec![0.0; r * c.vocab_size];
+            ws.max_logit_rows = r;
+        }
+    }
+
+    /// Runs one batched step. Returns the logits of `batch.logits_rows`, `[rows, vocab]`, in
+    /// `ws.host_logits`.
+    pub fn forward<'w>(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &'w mut Workspace, lora: &dyn LoraHook) -> &'w [f32] {
+        let c = &self.config;
+        let d = &*self.device;
+        let m = batch.tokens.len();
+        let nl = batch.logits_rows.len();
+        self.ensure_workspace(ws, m, nl);
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let lora_on = lora.is_active();
+        let attn_batch = AttnBatch {
+            seq_starts: &batch.seq_starts,
+            positions: &batch.positions,
+            ctx_lens: &batch.ctx_lens,
+            block_tables: &batch.block_tables,
+            block_table_stride: batch.block_table_stride,
+        };
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+
+        d.embedding(&self.embed, &batch.tokens, &mut ws.x);
+        if lora_on {
+            lora.embedding(&batch.tokens, &mut ws.x);
+        }
+        for (li, l) in self.layers.iter().enumerate() {
+            if li == 0 {
+                d.rms_norm(&ws.x, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
+            } else {
+                d.add_rms_norm(&mut ws.x, &ws.delta, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
+            }
+            d.matmul(&ws.xn, m, &l.qkv, l.qkv_bias.as_deref(), &mut ws.qkv);
+            if lora_on {
+                lora.linear(li, LinearSite::Qkv, &ws.xn, m, &mut ws.qkv);
+            }
+            d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
+            d.paged_attention(&ws.qkv, &attn_batch, kv, li, c.num_heads, scale, &mut ws.attn);
+            d.matmul(&ws.attn, m, &l.o, None, &mut ws.delta);
+            if lora_on {
+                lora.linear(li, LinearSite::O, &ws.attn, m, &mut ws.delta);
+            }
+            d.add_rms_norm(&mut ws.x, &ws.delta, &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
+            d.matmul(&ws.xn, m, &l.gate_up, None, &mut ws.gate_up);
+            if lora_on {
+                lora.linear(li, LinearSite::GateUp, &ws.xn, m, &mut ws.gate_up);
+            }
+            d.silu_mul(&ws.gate_up, m, inter, &mut ws.act);
+            d.matmul(&ws.act, m, &l.down, None, &mut ws.delta);
+            if lora_on {
+                lora.linear(li, LinearSite::Down, &ws.act, m, &mut ws.delta);
+            }
+        }
+        d.add_inplace(&mut ws.x, &ws.delta, m * h);
+        if nl == 0 {
+            return &ws.host_logits[..0];
+        }
+        // Only the rows that need logits go through the final norm and the LM head.
+        d.gather_rows(&ws.x, &batch.logits_rows, h, &mut ws.last);
+        d.rms_norm(&ws.last, &self.final_norm, c.rms_norm_eps, nl, h, &mut ws.last_n);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        d.matmul(&ws.last_n, nl, head, None, &mut ws.logits);
+        if lora_on {
+            lora.lm_head(&ws.last_n, &batch.logits_rows, &mut ws.logits);
+        }
+        let n = nl * c.vocab_size;
+        d.to_host(&ws.logits, n, &mut ws.host_logits[..n]);
+        &ws.host_logits[..n]
+    }
+}
