@@ -226,7 +226,8 @@ pub fn summarize(outcomes: &[RequestOutcome], duration: f64) -> Summary {
         let reason = r.error.as_deref().unwrap_or("unknown");
         *errors.entry(error_category(reason)).or_insert(0) += 1;
     }
-    let per_sec = |x: f64| if duration > 0.0 { x / duration } else { 0.0 };
+    // `+ 0.0` turns the -0.0 of an empty f64 sum into 0.0
+    let per_sec = |x: f64| if duration > 0.0 { x / duration + 0.0 } else { 0.0 };
     let (inp, out) = (all.input(), all.output());
 
     // Per adapter, in first-seen order with base first.
@@ -474,6 +475,9 @@ mod tests {
     fn empty_run_summarizes_to_zeros() {
         let s = summarize(&[], 0.0);
         assert_eq!(s.completed, 0);
+        let f = RequestOutcome { error: Some("connection failed: x".into()), ..Default::default() };
+        let s2 = summarize(&[f], 0.5);
+        assert!(s2.concurrency.is_sign_positive() && s2.concurrency == 0.0);
         assert_eq!(s.request_throughput, 0.0);
         assert!(format_table(&s, "x").contains("Failed requests:"));
     }

@@ -269,6 +269,21 @@ fn snippet(s: &str) -> String {
     }
 }
 
+/// An error and its sources ("error sending request …: Connection refused (os error 111)").
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = c.source();
+    }
+    s
+}
+
 struct Req {
     url: String,
     body: Value,
@@ -311,9 +326,9 @@ async fn stream_one(client: &reqwest::Client, api_key: Option<&str>, r: &Req, st
     }
     let resp = rb.send().await.map_err(|e| {
         if e.is_timeout() {
-            format!("timeout: {e}")
+            format!("timeout: {}", chain(&e))
         } else {
-            format!("connection failed: {e}")
+            format!("connection failed: {}", chain(&e))
         }
     })?;
     let status = resp.status();
@@ -329,7 +344,7 @@ async fn stream_one(client: &reqwest::Client, api_key: Option<&str>, r: &Req, st
     let mut done = false;
     while !done {
         let Some(item) = stream.next().await else { break };
-        let bytes = item.map_err(|e| format!("stream error: {e}"))?;
+        let bytes = item.map_err(|e| format!("stream error: {}", chain(&e)))?;
         let now = Instant::now();
         buf.extend(bytes.iter().copied().filter(|&c| c != b'\r'));
         while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {

@@ -20,6 +20,8 @@ enum Mode {
     IgnoreMax { extra: usize },
     /// Every second request gets HTTP 503, the others stream normally.
     Flaky,
+    /// Two tokens, then the connection drops without ending the chunked body.
+    Truncated,
 }
 
 struct Fake {
@@ -115,7 +117,7 @@ async fn handle(mut s: TcpStream, mode: Mode, bodies: Arc<Mutex<Vec<Value>>>, co
         Mode::Flaky if n % 2 == 1 => return plain(&mut s, "503 Service Unavailable", "overloaded").await,
         Mode::Stream { first_ms, gap_ms } => (first_ms, gap_ms, max),
         Mode::IgnoreMax { extra } => (5, 5, max + extra),
-        Mode::Malformed | Mode::Flaky => (5, 5, max),
+        Mode::Malformed | Mode::Flaky | Mode::Truncated => (5, 5, max),
     };
     s.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n").await?;
     s.flush().await?;
@@ -129,6 +131,9 @@ async fn handle(mut s: TcpStream, mode: Mode, bodies: Arc<Mutex<Vec<Value>>>, co
             tokio::time::sleep(Duration::from_millis(gap_ms)).await;
         }
         chunk(&mut s, &token_event(chat, i)).await?;
+        if matches!(mode, Mode::Truncated) && i == 1 {
+            return Ok(()); // drop the connection mid-body
+        }
         if matches!(mode, Mode::Malformed) {
             chunk(&mut s, "data: {\"choices\": [ this is not json\n\n").await?;
         }
@@ -263,6 +268,87 @@ fn unreachable_server_counted_as_failed() {
     let r = run(&a);
     assert_all_failed(&r, 3, "connection failed");
     assert_eq!(r.warmup_failed, 1);
+    let t = quiver_bench::metrics::format_table(&r.summary, "x");
+    assert!(!t.contains("-0.00"), "{t}");
+}
+
+#[test]
+fn server_dying_mid_stream_counted_as_failed() {
+    let f = start(Mode::Truncated);
+    let r = run(&args(&f.url, 2, 4));
+    assert_eq!(r.summary.failed, 2, "{:?}", r.summary.errors);
+    assert!(r.summary.errors.keys().all(|k| k == "stream error" || k == "malformed SSE"), "{:?}", r.summary.errors);
+}
+
+#[test]
+fn sweep_end_to_end_writes_report_and_plots() {
+    let f = start(Mode::Stream { first_ms: 5, gap_ms: 5 });
+    let dir = tempfile::tempdir().unwrap();
+    let toml = format!(
+        r#"
+base_url = "{}"
+model = "m"
+num_prompts = 2
+ignore_eos = true
+
+[[scenario]]
+name = "prefill_64"
+input_len = 64
+output_len = 2
+concurrency = 1
+
+[[scenario]]
+name = "decode"
+input_len = 8
+output_len = 3
+concurrency = [1, 2]
+
+[[config]]
+name = "base"
+
+[[config]]
+name = "2-distinct"
+lora_names = ["a0", "a1"]
+distribution = "distinct"
+"#,
+        f.url
+    );
+    let file = dir.path().join("s.toml");
+    std::fs::write(&file, toml).unwrap();
+    let out = dir.path().join("out");
+    let mut a = quiver_bench::SweepArgs {
+        scenarios: file,
+        out_dir: out.clone(),
+        base_url: None,
+        model: None,
+        endpoint: None,
+        adapter_style: None,
+        extra_body: None,
+        api_key: None,
+        only: vec![],
+        configs: vec![],
+        render_only: false,
+        no_progress: true,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let e = rt.block_on(quiver_bench::sweep::sweep(&a)).unwrap();
+    assert_eq!(e.len(), 6);
+    assert!(e.iter().all(|e| e.report.summary.completed == 2 && e.report.summary.failed == 0));
+    assert_eq!(f.bodies.lock().unwrap().len(), 12);
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("| decode_2 | 2-distinct |"), "{md}");
+    assert!(md.contains("## Cost of LoRA vs base"));
+    for p in ["decode_throughput.svg", "decode_ttft.svg", "decode_tpot.svg", "decode_e2e.svg", "prefill_throughput.svg"] {
+        assert!(out.join("plots").join(p).exists(), "{p}");
+    }
+    assert!(out.join("results/decode_1__base.json").exists());
+    assert!(out.join("sweep.json").exists());
+    // rebuild from the stored JSON without a server
+    std::fs::remove_file(out.join("report.md")).unwrap();
+    a.render_only = true;
+    let e2 = rt.block_on(quiver_bench::sweep::sweep(&a)).unwrap();
+    assert_eq!(e2.len(), 6);
+    assert_eq!(std::fs::read_to_string(out.join("report.md")).unwrap(), md.replace(&e[0].report.date, &e2[0].report.date));
 }
 
 #[test]
