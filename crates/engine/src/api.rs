@@ -1,0 +1,285 @@
+//! The engine's public request/response types.
+
+use crate::sampling::SamplingParams;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    /// Adapter name; `None` = base model.
+    pub adapter: Option<String>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    /// Stop strings: generation ends before the first occurrence, which is never streamed.
+    pub stop: Vec<String>,
+    /// Extra stop ids (honoured even with `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past the tokenizer's EOS ids.
+    pub ignore_eos: bool,
+    /// `Some(k)`: report the chosen token's logprob and the top `k` (`Some(0)` = chosen only).
+    pub logprobs: Option<usize>,
+    /// Parallel samples sharing the prompt's KV blocks; sample `i` uses seed `seed + i`.
+    pub n: usize,
+}
+
+impl Default for GenerateRequest {
+    fn default() -> Self {
+        GenerateRequest {
+            prompt: Vec::new(),
+            adapter: None,
+            sampling: SamplingParams::default(),
+            max_tokens: 16,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            n: 1,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// Log-probability of the chosen token (after penalties, before temperature).
+    pub logprob: f32,
+    /// `(token id, logprob)` of the most likely tokens, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Cancelled, or failed (an `Error` event precedes it).
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub enum StreamEvent {
+    /// One generated token of sample `index`. Every generated token gets exactly one event
+    /// (the final EOS / stop-id token included, with empty text). `text` is the newly
+    /// completed text: never a partial UTF-8 character, never text that might begin a stop
+    /// string before that is resolved, never the stop string itself.
+    Token { index: usize, token_id: u32, text: String, logprob: Option<TokenLogprob> },
+    /// Sample `index` is done; `completion_tokens` counts its Token events.
+    Finished { index: usize, reason: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    /// The request failed; `Finished { reason: Abort }` follows for each unfinished sample.
+    Error(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the waiting queue is full ({max} requests); retry later")]
+    QueueFull { max: usize },
+    #[error("LoRA adapter `{0}` is not loaded")]
+    UnknownAdapter(String),
+    #[error("prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context window of {max_model_len} tokens")]
+    PromptTooLong { prompt_tokens: usize, max_tokens: usize, max_model_len: usize },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AdapterError {
+    #[error("LoRA adapter `{0}` is already loaded (load it in place to replace it)")]
+    AlreadyLoaded(String),
+    #[error("LoRA adapter `{name}`: expected version {expected}, but the current version is {}", actual.map_or("none (not loaded)".to_string(), |v| v.to_string()))]
+    VersionMismatch { name: String, expected: u64, actual: Option<u64> },
+    #[error("LoRA adapter `{0}` is not loaded")]
+    NotFound(String),
+    #[error("LoRA adapter `{0}` is being loaded; retry when that load has finished")]
+    Busy(String),
+    /// The adapter is malformed or incompatible; the message names the file / tensor.
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}
+
+/// The current version of a loaded adapter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdapterInfo {
+    pub name: String,
+    pub path: PathBuf,
+    /// Unique per load (a replace gets a new one).
+    pub version: u64,
+    pub pinned: bool,
+    /// Largest rank over its modules.
+    pub rank: usize,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AdapterStats {
+    pub name: String,
+    /// Requests with a sequence running / only waiting.
+    pub running: usize,
+    pub waiting: usize,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct EngineStats {
+    /// Requests with at least one running sequence.
+    pub running: usize,
+    /// Requests accepted and not running (queued, preempted, or waiting for their adapter's load).
+    pub waiting: usize,
+    pub running_seqs: usize,
+    pub kv_blocks_total: usize,
+    /// Blocks held by sequences.
+    pub kv_blocks_used: usize,
+    /// Idle blocks kept by the prefix cache (reclaimable).
+    pub kv_blocks_cached: usize,
+    pub kv_blocks_free: usize,
+    pub block_size: usize,
+    /// Full prompt blocks looked up in the prefix cache at admission, and how many hit.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub per_adapter: Vec<AdapterStats>,
+    /// Successful adapter loads (including replaces) and failed ones.
+    pub adapter_loads: u64,
+    pub adapter_load_failures: u64,
+    /// LoRA slot loads, and those that evicted a resident adapter.
+    pub lora_slot_loads: u64,
+    pub lora_slot_evictions: u64,
+    pub max_loras: usize,
+    pub preemptions: u64,
+    pub steps: u64,
+    pub generated_tokens: u64,
+    /// Prompt tokens run through the model (recomputation included; prefix hits excluded).
+    pub prefill_tokens: u64,
+}
+
+/// Engine internals for leak checks and diagnostics (a round trip to the engine thread).
+#[derive(Clone, Debug)]
+pub struct DebugState {
+    pub kv_total: usize,
+    pub kv_free: usize,
+    pub kv_cached_idle: usize,
+    pub kv_in_use: usize,
+    /// `Err` describes a broken block-pool invariant.
+    pub kv_invariants: Result<(), String>,
+    pub requests: usize,
+    pub running_seqs: usize,
+    pub waiting_seqs: usize,
+    pub pending_on_load: usize,
+    /// Counter behind `QueueFull`.
+    pub queued: usize,
+    /// `(name, version, in_flight, current)` of every registered adapter version.
+    pub lora_versions: Vec<(String, u64, usize, bool)>,
+    /// `(slot, version)` of slot-resident adapters.
+    pub lora_resident: Vec<(usize, u64)>,
+    pub lora_pinned_slots: usize,
+}
+
+/// Stream of one request's events. Dropping it cancels the request (its blocks and slot are
+/// freed at the next step).
+pub struct RequestStream {
+    pub(crate) id: u64,
+    pub(crate) rx: UnboundedReceiver<StreamEvent>,
+    pub(crate) cancel: CancelGuard,
+    pub(crate) n: usize,
+    pub(crate) prompt_tokens: usize,
+}
+
+pub(crate) struct CancelGuard {
+    pub flag: Arc<AtomicBool>,
+    pub wake: std::sync::mpsc::Sender<crate::engine::Msg>,
+}
+
+impl CancelGuard {
+    fn cancel(&self) {
+        if !self.flag.swap(true, Ordering::SeqCst) {
+            let _ = self.wake.send(crate::engine::Msg::Wake);
+        }
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+/// Everything a request produced, gathered by [`RequestStream::collect_blocking`].
+#[derive(Clone, Debug, Default)]
+pub struct Completion {
+    pub tokens: Vec<Vec<u32>>,
+    pub text: Vec<String>,
+    pub logprobs: Vec<Vec<TokenLogprob>>,
+    pub finish: Vec<Option<FinishReason>>,
+    pub prompt_tokens: usize,
+    pub error: Option<String>,
+}
+
+impl RequestStream {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+    pub async fn recv(&mut self) -> Option<StreamEvent> {
+        self.rx.recv().await
+    }
+    /// For threads outside an async runtime (CLI, tests).
+    pub fn blocking_recv(&mut self) -> Option<StreamEvent> {
+        self.rx.blocking_recv()
+    }
+    pub fn try_recv(&mut self) -> Option<StreamEvent> {
+        self.rx.try_recv().ok()
+    }
+    /// Cancels now (same as dropping the stream, but keeps receiving what is in flight).
+    pub fn cancel(&self) {
+        self.cancel.cancel();
+    }
+    /// Receives until every sample finished (or the engine went away).
+    pub fn collect_blocking(mut self) -> Completion {
+        let n = self.n;
+        let mut c = Completion {
+            tokens: vec![Vec::new(); n],
+            text: vec![String::new(); n],
+            logprobs: vec![Vec::new(); n],
+            finish: vec![None; n],
+            prompt_tokens: self.prompt_tokens,
+            error: None,
+        };
+        let mut done = 0;
+        while done < n {
+            match self.blocking_recv() {
+                Some(StreamEvent::Token { index, token_id, text, logprob }) => {
+                    c.tokens[index].push(token_id);
+                    c.text[index].push_str(&text);
+                    if let Some(l) = logprob {
+                        c.logprobs[index].push(l);
+                    }
+                }
+                Some(StreamEvent::Finished { index, reason, .. }) => {
+                    c.finish[index] = Some(reason);
+                    done += 1;
+                }
+                Some(StreamEvent::Error(e)) => c.error = Some(e),
+                None => break,
+            }
+        }
+        c
+    }
+}

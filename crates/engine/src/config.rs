@@ -1,0 +1,107 @@
+//! Engine settings (the serving CLI flags).
+
+use quiver_lora::{EvictionPolicy, LoraModule};
+
+/// Order in which waiting requests are considered for admission.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SchedulePolicy {
+    /// First come, first served.
+    #[default]
+    Fcfs,
+    /// Longest prefix-cache match first (ties keep arrival order).
+    Lpm,
+}
+
+impl std::str::FromStr for SchedulePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fcfs" => Ok(SchedulePolicy::Fcfs),
+            "lpm" => Ok(SchedulePolicy::Lpm),
+            _ => Err(format!("unknown schedule policy `{s}` (expected fcfs or lpm)")),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Sequences (rows of samples, `n > 1` counts n) running at once.
+    pub max_running_requests: usize,
+    /// LoRA slots `S`: distinct adapters among running sequences (base rows take none).
+    pub max_loras_per_batch: usize,
+    pub max_lora_rank: usize,
+    /// Adapters whose weights stay in host memory.
+    pub max_loaded_loras: usize,
+    pub lora_backend: String,
+    pub lora_target_modules: Vec<LoraModule>,
+    pub eviction_policy: EvictionPolicy,
+    /// Token rows per forward step (decode rows + prefill chunks).
+    pub max_num_batched_tokens: usize,
+    /// Largest prefill chunk of one sequence in one step.
+    pub chunked_prefill_size: usize,
+    /// KV pool size in bytes; `None` = 30% of available memory, at most 4 GiB and at most what
+    /// `max_running_requests` full-length sequences need.
+    pub kv_cache_memory: Option<usize>,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Requests accepted but not yet running; beyond it `submit` fails with `QueueFull`.
+    pub max_queued_requests: usize,
+    pub schedule_policy: SchedulePolicy,
+    pub disable_prefix_cache: bool,
+    /// Context window; `None` = the model's.
+    pub max_model_len: Option<usize>,
+    /// Aging: once the oldest waiting request has waited this many steps, admission becomes
+    /// strictly first-come-first-served until it is admitted (no one may overtake it, e.g. by
+    /// having its adapter already resident).
+    pub aging_steps: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_running_requests: 64,
+            max_loras_per_batch: 8,
+            max_lora_rank: 64,
+            max_loaded_loras: 64,
+            lora_backend: quiver_lora::backend::DEFAULT_BACKEND.to_string(),
+            lora_target_modules: LoraModule::PROJECTIONS.to_vec(),
+            eviction_policy: EvictionPolicy::Lru,
+            max_num_batched_tokens: 2048,
+            chunked_prefill_size: 512,
+            kv_cache_memory: None,
+            block_size: 16,
+            max_queued_requests: 1024,
+            schedule_policy: SchedulePolicy::Fcfs,
+            disable_prefix_cache: false,
+            max_model_len: None,
+            aging_steps: 32,
+        }
+    }
+}
+
+impl EngineConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        let pos = |v: usize, n: &str| if v == 0 { Err(format!("{n} must be > 0")) } else { Ok(()) };
+        pos(self.max_running_requests, "max_running_requests")?;
+        pos(self.max_loras_per_batch, "max_loras_per_batch")?;
+        pos(self.max_num_batched_tokens, "max_num_batched_tokens")?;
+        pos(self.chunked_prefill_size, "chunked_prefill_size")?;
+        pos(self.block_size, "block_size")?;
+        pos(self.max_queued_requests, "max_queued_requests")?;
+        if self.max_num_batched_tokens < self.max_running_requests {
+            return Err(format!(
+                "max_num_batched_tokens ({}) must be at least max_running_requests ({}) so every running sequence can decode each step",
+                self.max_num_batched_tokens, self.max_running_requests
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of memory available to new allocations (Linux `MemAvailable`), if known.
+pub(crate) fn mem_available() -> Option<usize> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

@@ -1,0 +1,135 @@
+//! Shared helpers for tests that need the real model and the HF reference data.
+#![allow(dead_code)]
+
+use quiver_kernels::{open_device, DType, DeviceKind};
+use quiver_model::{load_model, LoadedModel};
+use serde::Deserialize;
+use std::path::PathBuf;
+
+/// The project cache (`$QUIVER_CACHE` or `<repo>/.cache`).
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("QUIVER_CACHE").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../.cache")))
+}
+
+/// A file the test data step (`make test-data`, run by `make test`) must have produced. Missing
+/// data fails the test: a parity test that silently passes proves nothing.
+pub fn require(rel: &str) -> PathBuf {
+    let p = cache_dir().join(rel);
+    assert!(p.exists(), "{} is missing: run `make test` (or scripts/make-refs.sh) to fetch the model and build the reference data", p.display());
+    p
+}
+
+pub fn smollm2_gguf() -> PathBuf {
+    require("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+pub fn load(path: &std::path::Path, dtype: DType) -> LoadedModel {
+    load_model(path, open_device(DeviceKind::Cpu).unwrap(), dtype).unwrap_or_else(|e| panic!("loading {}: {e:#}", path.display()))
+}
+
+#[derive(Deserialize)]
+pub struct RefFile {
+    pub cases: Vec<RefCase>,
+}
+
+#[derive(Deserialize)]
+pub struct RefCase {
+    pub name: String,
+    pub prompt_ids: Vec<u32>,
+    pub continuation_ids: Vec<u32>,
+    pub top_ids: Vec<Vec<u32>>,
+    pub top_logprobs: Vec<Vec<f32>>,
+}
+
+pub fn read_ref(rel: &str) -> RefFile {
+    let p = require(rel);
+    serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// log_softmax of one row, in f64 for a reference-quality normaliser.
+pub fn log_softmax(row: &[f32]) -> Vec<f32> {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + row.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    row.iter().map(|&l| (l as f64 - lse) as f32).collect()
+}
+
+/// Max |Δlogprob| over the reference's top tokens at every position of `case`, given our
+/// logits for prompt+continuation (`[len, vocab]`).
+pub fn max_logprob_delta(case: &RefCase, logits: &[f32], vocab: usize) -> (f32, usize) {
+    let n = case.prompt_ids.len() + case.continuation_ids.len();
+    assert_eq!(case.top_ids.len(), n, "{}: reference positions", case.name);
+    assert_eq!(logits.len(), n * vocab);
+    let mut worst = (0.0f32, 0usize);
+    for i in 0..n {
+        let lp = log_softmax(&logits[i * vocab..(i + 1) * vocab]);
+        for (&t, &want) in case.top_ids[i].iter().zip(&case.top_logprobs[i]) {
+            let d = (lp[t as usize] - want).abs();
+            if d > worst.0 || d.is_nan() {
+                worst = (d, i);
+            }
+        }
+    }
+    worst
+}
+
+// ---- engine test helpers ------------------------------------------------------------------
+
+use quiver_engine::testing::{temp_dir, tiny_model, write_random_adapter};
+use quiver_engine::{AdapterLora, BaseOnly, GenerateOptions, Generator, SamplingParams};
+use quiver_lora::{AdapterKey, LoraConfig, LoraManager, LoraModelDims, LoraModule};
+use quiver_model::LlamaModel;
+
+/// The tiny random model (2 layers, hidden 64) over SmolLM2's tokenizer; same seed = same weights.
+pub fn tiny(seed: u64) -> LoadedModel {
+    tiny_model(&smollm2_gguf(), seed).unwrap()
+}
+
+/// `k` random rank-`rank` adapters on every projection, in a fresh temp dir.
+pub fn make_adapters(tag: &str, dims: &LoraModelDims, k: usize, rank: usize, b_std: f32, seed: u64) -> Vec<PathBuf> {
+    let root = temp_dir(tag);
+    (0..k)
+        .map(|i| {
+            let p = root.join(format!("adapter{i}"));
+            write_random_adapter(&p, dims, &LoraModule::PROJECTIONS, rank, 2.0 * rank as f32, b_std, seed + i as u64).unwrap();
+            p
+        })
+        .collect()
+}
+
+/// A LoRA manager for oracle runs holding `paths` as `a0, a1, ...`.
+pub fn oracle_manager(model: &LlamaModel, paths: &[PathBuf]) -> (LoraManager, Vec<AdapterKey>) {
+    let cfg = LoraConfig { max_loras_per_batch: paths.len().max(1), max_loaded_loras: paths.len().max(1), max_lora_rank: 64, ..Default::default() };
+    let mut m = LoraManager::new(model.lora_dims(), cfg, model.device.kind()).unwrap();
+    let keys = paths.iter().enumerate().map(|(i, p)| m.load_adapter(&format!("a{i}"), p).unwrap()).collect();
+    (m, keys)
+}
+
+/// Greedy tokens of `prompt` alone through `Generator` (the `quiver generate` path).
+pub fn alone(model: &LlamaModel, lora: Option<(&mut LoraManager, AdapterKey)>, prompt: &[u32], max_tokens: usize, stop_ids: &[u32]) -> Vec<u32> {
+    let mut g = Generator::new(model, prompt.len() + max_tokens + 1);
+    let opts = GenerateOptions { max_tokens, sampling: SamplingParams::default(), stop_ids: stop_ids.to_vec(), prefill_chunk: 512 };
+    let mut out = Vec::new();
+    match lora {
+        Some((manager, key)) => g.generate(prompt, &opts, &mut AdapterLora { manager, key: Some(key) }, |t| {
+            out.push(t);
+            true
+        }),
+        None => g.generate(prompt, &opts, &mut BaseOnly, |t| {
+            out.push(t);
+            true
+        }),
+    }
+    .unwrap();
+    out
+}
+
+/// Deterministic pseudo-random prompt of `len` ordinary tokens.
+pub fn prompt(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) as usize % (vocab.min(40000) - 200) + 100) as u32
+        })
+        .collect()
+}

@@ -1,0 +1,61 @@
+//! The forward pass against Hugging Face transformers (float32, CPU) on the same weights:
+//! teacher-forced logprobs on the reference's top-20 tokens at every position, and greedy
+//! continuations token for token.
+
+mod common;
+
+use common::*;
+use quiver_engine::{BaseOnly, GenerateOptions, Generator, SamplingParams};
+use quiver_kernels::DType;
+
+const TOL: f32 = 1e-3;
+
+fn check(model_rel: &str, ref_rel: &str) {
+    let path = require(model_rel);
+    let lm = load(&path, DType::F32);
+    let r = read_ref(ref_rel);
+    assert!(!r.cases.is_empty());
+    let vocab = lm.model.config.vocab_size;
+    let mut g = Generator::new(&lm.model, 2048);
+    for case in &r.cases {
+        let mut all = case.prompt_ids.clone();
+        all.extend(&case.continuation_ids);
+        let logits = g.score(&all, &mut BaseOnly).unwrap();
+        let (d, pos) = max_logprob_delta(case, &logits, vocab);
+        assert!(d <= TOL, "{model_rel} case {}: max |Δlogprob| {d} at position {pos} > {TOL}", case.name);
+        let opts = GenerateOptions { max_tokens: case.continuation_ids.len(), sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 64 };
+        let mut out = Vec::new();
+        g.generate(&case.prompt_ids, &opts, &mut BaseOnly, |t| {
+            out.push(t);
+            true
+        })
+        .unwrap();
+        assert_eq!(out, case.continuation_ids, "{model_rel} case {}: greedy continuation differs", case.name);
+        eprintln!("{model_rel} {}: {} positions, max |Δlogprob| {d:.2e}", case.name, all.len());
+    }
+}
+
+#[test]
+fn smollm2_gguf_matches_transformers() {
+    check("models/SmolLM2-135M-Instruct.Q4_1.gguf", "ref/ref/smollm2.json");
+}
+
+#[test]
+fn smollm2_safetensors_dir_matches_transformers() {
+    check("ref/models/smollm2-hf", "ref/ref/smollm2.json");
+}
+
+#[test]
+fn tiny_qwen2_with_biases_untied_matches_transformers() {
+    check("ref/models/tiny-qwen2", "ref/ref/tiny-qwen2.json");
+}
+
+#[test]
+fn tiny_llama3_rope_scaling_tied_matches_transformers() {
+    check("ref/models/tiny-llama3", "ref/ref/tiny-llama3.json");
+}
+
+#[test]
+fn tiny_mistral_matches_transformers() {
+    check("ref/models/tiny-mistral", "ref/ref/tiny-mistral.json");
+}
