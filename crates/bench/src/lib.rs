@@ -7,10 +7,12 @@
 //!
 //! Output convention for every `quiver bench` command (microbenchmarks included): `--output-json
 //! FILE` writes one pretty JSON object with `"bench"` (the command), `"date"` (RFC 3339 UTC),
-//! `"config"` (the flags) and the metrics at top level; see [`serve::write_json`].
+//! `"config"` (the flags) and the metrics at top level; see [`report::bench_json`] and
+//! [`serve::write_json`].
 
 pub mod dataset;
 pub mod metrics;
+pub mod report;
 pub mod serve;
 pub mod svg;
 pub mod sweep;

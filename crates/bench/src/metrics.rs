@@ -82,6 +82,7 @@ fn percentile_sorted(v: &[f64], p: f64) -> f64 {
 
 /// Distribution summary of one latency metric, in milliseconds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Stats {
     pub count: usize,
     pub mean: f64,
@@ -120,6 +121,7 @@ impl Stats {
 
 /// Per-adapter (or base) slice of a run.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct AdapterSummary {
     /// Adapter name, `"<base>"` for base-model requests.
     pub adapter: String,
@@ -136,6 +138,7 @@ pub struct AdapterSummary {
 
 /// The result table of one run.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Summary {
     /// Requests attempted in the measured run (warmup excluded).
     pub num_requests: usize,

@@ -36,10 +36,8 @@ fn nice_step(range: f64, n: usize) -> f64 {
 }
 
 fn fmt_num(v: f64) -> String {
-    if v == 0.0 {
-        "0".into()
-    } else if v.abs() >= 1000.0 {
-        format!("{:.0}", v)
+    if v == v.round() && v.abs() < 1e15 {
+        format!("{v:.0}")
     } else if v.abs() >= 10.0 {
         format!("{:.0}", v)
     } else if v.abs() >= 1.0 {

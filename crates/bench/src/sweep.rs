@@ -427,15 +427,24 @@ pub fn render_markdown(entries: &[SweepEntry], title: &str) -> String {
     o
 }
 
-/// SVG plots per scenario group that has a concurrency axis: (file name, svg).
+/// SVG plots (throughput, TTFT, TPOT, p99 ITL, E2E vs concurrency; one line per configuration)
+/// per scenario group run at two or more concurrencies: (file name, svg).
 pub fn render_plots(entries: &[SweepEntry]) -> Vec<(String, String)> {
+    // groups with at least two concurrency levels
     let mut groups: Vec<String> = Vec::new();
     for e in entries {
         if e.scenario.concurrency.is_some() && !groups.contains(&e.scenario.group) {
             groups.push(e.scenario.group.clone());
         }
     }
-    let metrics: [(&str, &str, fn(&Summary) -> f64); 5] = [
+    groups.retain(|g| {
+        let mut c: Vec<usize> = entries.iter().filter(|e| &e.scenario.group == g).filter_map(|e| e.scenario.concurrency).collect();
+        c.sort();
+        c.dedup();
+        c.len() >= 2
+    });
+    type Metric = (&'static str, &'static str, fn(&Summary) -> f64);
+    let metrics: [Metric; 5] = [
         ("throughput", "output tokens/s", |s| s.output_throughput),
         ("ttft", "mean TTFT (ms)", |s| s.ttft_ms.mean),
         ("tpot", "mean TPOT (ms)", |s| s.tpot_ms.mean),

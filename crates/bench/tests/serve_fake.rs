@@ -338,9 +338,11 @@ distribution = "distinct"
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("| decode_2 | 2-distinct |"), "{md}");
     assert!(md.contains("## Cost of LoRA vs base"));
-    for p in ["decode_throughput.svg", "decode_ttft.svg", "decode_tpot.svg", "decode_e2e.svg", "prefill_throughput.svg"] {
+    for p in ["decode_throughput.svg", "decode_ttft.svg", "decode_tpot.svg", "decode_e2e.svg", "decode_itl_p99.svg"] {
         assert!(out.join("plots").join(p).exists(), "{p}");
     }
+    // prefill ran at a single concurrency: no plot
+    assert!(!out.join("plots/prefill_throughput.svg").exists());
     assert!(out.join("results/decode_1__base.json").exists());
     assert!(out.join("sweep.json").exists());
     // rebuild from the stored JSON without a server
