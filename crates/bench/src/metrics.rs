@@ -233,14 +233,14 @@ pub fn summarize(outcomes: &[RequestOutcome], duration: f64) -> Summary {
     let per_sec = |x: f64| if duration > 0.0 { x / duration + 0.0 } else { 0.0 };
     let (inp, out) = (all.input(), all.output());
 
-    // Per adapter, in first-seen order with base first.
+    // Per adapter: base first, then adapters by name.
     let mut names: Vec<Option<String>> = Vec::new();
     for r in outcomes {
         if !names.contains(&r.adapter) {
             names.push(r.adapter.clone());
         }
     }
-    names.sort_by_key(|n| n.is_some());
+    names.sort_by(|a, b| (a.is_some(), a).cmp(&(b.is_some(), b)));
     let per_adapter = if names.len() > 1 || names.first().is_some_and(|n| n.is_some()) {
         names
             .iter()
