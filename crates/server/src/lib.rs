@@ -1,1 +1,19 @@
-//! placeholder
+//! Quiver's HTTP front end: OpenAI-compatible and SGLang-native routes, per-request adapters,
+//! adapter management, Prometheus metrics and graceful shutdown, over a [`Backend`] (the
+//! engine, see [`engine_backend`]).
+
+pub mod adapters;
+pub mod backend;
+pub mod engine_backend;
+pub mod error;
+pub mod metrics;
+pub mod request;
+pub mod server;
+
+#[cfg(test)]
+mod tests;
+
+pub use adapters::{parse_lora_module, parse_lora_path, StartupAdapter};
+pub use backend::Backend;
+pub use error::ApiError;
+pub use server::{router, serve_with_shutdown, shutdown_signal, AppState, ServerConfig};

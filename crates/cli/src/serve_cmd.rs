@@ -1,0 +1,257 @@
+//! `quiver serve`: the HTTP server. Flags come in vLLM's and SGLang's spellings with the same
+//! meaning, so existing launch scripts work unchanged.
+
+use crate::model_path;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use quiver_kernels::{open_device, DType, DeviceKind};
+use quiver_server::{parse_lora_module, parse_lora_path, AppState, ServerConfig, StartupAdapter};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct from the cache).
+    #[arg(long, alias = "model-path")]
+    pub model: Option<PathBuf>,
+    /// Name(s) the base model answers to in `model` (default: the model file's stem). No ':'.
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on every route except /health.
+    #[arg(long, env = "QUIVER_API_KEY")]
+    pub api_key: Option<String>,
+    /// Weight storage dtype: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: DType,
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceKind,
+
+    // ---- LoRA (vLLM spelling)
+    /// Enable LoRA (implied by --lora-modules, --lora-paths or --lora-dir).
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// vLLM: adapters to load at startup, `name=path` or JSON {"name","path","base_model_name"}.
+    #[arg(long, num_args = 1.., value_name = "SPEC")]
+    pub lora_modules: Vec<String>,
+    /// vLLM: distinct adapters in one batch (same as --max-loras-per-batch).
+    #[arg(long)]
+    pub max_loras: Option<usize>,
+    /// Largest adapter rank accepted.
+    #[arg(long)]
+    pub max_lora_rank: Option<usize>,
+    /// vLLM: adapters kept in host memory (same as --max-loaded-loras).
+    #[arg(long)]
+    pub max_cpu_loras: Option<usize>,
+
+    // ---- LoRA (SGLang spelling)
+    /// SGLang: adapters to load at startup, PATH | NAME=PATH | JSON {"lora_name","lora_path","pinned"}.
+    #[arg(long, num_args = 1.., value_name = "SPEC")]
+    pub lora_paths: Vec<String>,
+    /// SGLang: distinct adapters in one batch (same as --max-loras).
+    #[arg(long)]
+    pub max_loras_per_batch: Option<usize>,
+    /// SGLang: adapters kept in host memory (same as --max-cpu-loras).
+    #[arg(long)]
+    pub max_loaded_loras: Option<usize>,
+    /// LoRA kernel backend.
+    #[arg(long)]
+    pub lora_backend: Option<String>,
+    /// Slot eviction policy: lru or fifo.
+    #[arg(long)]
+    pub lora_eviction_policy: Option<String>,
+    /// Root for adapters loaded at run time (load endpoints and on-demand loading by name);
+    /// load paths must resolve inside it.
+    #[arg(long)]
+    pub lora_dir: Option<PathBuf>,
+
+    // ---- engine limits
+    #[arg(long)]
+    pub max_running_requests: Option<usize>,
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    #[arg(long)]
+    pub chunked_prefill_size: Option<usize>,
+    /// KV cache size, bytes (suffixes K, M, G accepted).
+    #[arg(long)]
+    pub kv_cache_memory: Option<String>,
+    #[arg(long)]
+    pub max_queued_requests: Option<usize>,
+    /// fcfs or lpm.
+    #[arg(long)]
+    pub schedule_policy: Option<String>,
+    #[arg(long)]
+    pub disable_prefix_cache: bool,
+    #[arg(long, alias = "context-length")]
+    pub max_model_len: Option<usize>,
+
+    // ---- server
+    /// Seconds running requests get to finish after SIGTERM/SIGINT.
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_grace: f64,
+    /// Largest request body, bytes.
+    #[arg(long, default_value_t = 32 << 20)]
+    pub max_body_bytes: usize,
+}
+
+/// `512M`, `4G`, `1048576`.
+pub fn parse_bytes(s: &str) -> Result<usize> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    let v: f64 = num.trim().parse().with_context(|| format!("bad byte size `{s}`"))?;
+    Ok((v * mul as f64) as usize)
+}
+
+fn same(a: Option<usize>, b: Option<usize>, an: &str, bn: &str) -> Result<Option<usize>> {
+    match (a, b) {
+        (Some(x), Some(y)) if x != y => bail!("--{an} ({x}) and --{bn} ({y}) mean the same thing; give one"),
+        (x, y) => Ok(x.or(y)),
+    }
+}
+
+/// The adapters named by --lora-modules and --lora-paths.
+pub fn startup_adapters(a: &ServeArgs) -> Result<Vec<StartupAdapter>> {
+    let mut v = Vec::new();
+    // Each flag value may itself hold several space-separated specs (as in shell variables).
+    for s in &a.lora_modules {
+        v.push(parse_lora_module(s).map_err(anyhow::Error::msg)?);
+    }
+    for s in &a.lora_paths {
+        v.push(parse_lora_path(s).map_err(anyhow::Error::msg)?);
+    }
+    let mut names = std::collections::HashSet::new();
+    for s in &v {
+        if !names.insert(s.name.clone()) {
+            bail!("adapter name `{}` given twice", s.name);
+        }
+        if s.name.contains(':') {
+            bail!("adapter name `{}` must not contain ':' (it separates base and adapter in `model`)", s.name);
+        }
+    }
+    Ok(v)
+}
+
+pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
+    let mut c = quiver_engine::EngineConfig::default();
+    if let Some(v) = same(a.max_loras, a.max_loras_per_batch, "max-loras", "max-loras-per-batch")? {
+        c.max_loras_per_batch = v;
+    }
+    if let Some(v) = same(a.max_cpu_loras, a.max_loaded_loras, "max-cpu-loras", "max-loaded-loras")? {
+        c.max_loaded_loras = v;
+    }
+    if let Some(v) = a.max_lora_rank {
+        c.max_lora_rank = v;
+    }
+    if let Some(v) = &a.lora_backend {
+        c.lora_backend = v.clone();
+    }
+    if let Some(v) = &a.lora_eviction_policy {
+        c.eviction_policy = v.parse().map_err(|e| anyhow::anyhow!("--lora-eviction-policy: {e}"))?;
+    }
+    if let Some(v) = a.max_running_requests {
+        c.max_running_requests = v;
+    }
+    if let Some(v) = a.max_num_batched_tokens {
+        c.max_num_batched_tokens = v;
+    } else {
+        c.max_num_batched_tokens = c.max_num_batched_tokens.max(c.max_running_requests);
+    }
+    if let Some(v) = a.chunked_prefill_size {
+        c.chunked_prefill_size = v;
+    }
+    if let Some(v) = &a.kv_cache_memory {
+        c.kv_cache_memory = Some(parse_bytes(v)?);
+    }
+    if let Some(v) = a.max_queued_requests {
+        c.max_queued_requests = v;
+    }
+    if let Some(v) = &a.schedule_policy {
+        c.schedule_policy = v.parse().map_err(|e: String| anyhow::anyhow!("--schedule-policy: {e}"))?;
+    }
+    c.disable_prefix_cache = a.disable_prefix_cache;
+    c.max_model_len = a.max_model_len;
+    c.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(c)
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    for n in &a.served_model_name {
+        if n.contains(':') || n.trim().is_empty() {
+            bail!("--served-model-name `{n}`: must be non-empty and contain no ':' (it separates base and adapter in `model`)");
+        }
+    }
+    let adapters = startup_adapters(&a)?;
+    let cfg = engine_config(&a)?;
+    if let Some(d) = &a.lora_dir {
+        if !d.is_dir() {
+            bail!("--lora-dir {} is not a directory", d.display());
+        }
+    }
+    let lora_enabled = a.enable_lora || !adapters.is_empty() || a.lora_dir.is_some();
+    let path = model_path::resolve(a.model.clone())?;
+    let served = if a.served_model_name.is_empty() {
+        vec![path.file_stem().map(|s| s.to_string_lossy().trim_end_matches(".Q4_1").to_string()).unwrap_or_else(|| "model".into()).replace(':', "_")]
+    } else {
+        a.served_model_name.clone()
+    };
+
+    // Bind first so a taken port fails before the (slow) model load.
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let listener = rt.block_on(tokio::net::TcpListener::bind((a.host.as_str(), a.port))).with_context(|| format!("binding {}:{}", a.host, a.port))?;
+    let addr = listener.local_addr()?;
+
+    let steps = 2 + adapters.len() as u64;
+    let pb = ProgressBar::new(steps);
+    pb.set_style(ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {msg} ({elapsed})").unwrap().progress_chars("=> "));
+    pb.enable_steady_tick(Duration::from_millis(120));
+    pb.set_message(format!("loading {}", path.display()));
+    let device = open_device(a.device)?;
+    let lm = quiver_model::load_model(&path, device, a.dtype).with_context(|| format!("loading {}", path.display()))?;
+    pb.inc(1);
+    pb.set_message("starting the engine");
+    let engine = quiver_server::engine_backend::EngineBackend::start(lm, cfg.clone())?;
+    pb.inc(1);
+    for ad in &adapters {
+        pb.set_message(format!("loading adapter {}", ad.name));
+        engine.load_startup(ad).with_context(|| format!("adapter `{}` from {}", ad.name, ad.path.display()))?;
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+
+    let scfg = ServerConfig {
+        served_model_names: served.clone(),
+        model_path: path.display().to_string(),
+        api_key: a.api_key.clone(),
+        lora_dir: a.lora_dir.clone(),
+        lora_enabled,
+        max_body_bytes: a.max_body_bytes,
+        shutdown_grace: Duration::from_secs_f64(a.shutdown_grace.max(0.0)),
+    };
+    let names: Vec<&str> = adapters.iter().map(|s| s.name.as_str()).collect();
+    let lora_note = match (names.is_empty(), &a.lora_dir) {
+        (true, None) if !lora_enabled => String::new(),
+        (true, None) => " with LoRA enabled".into(),
+        (_, dir) => format!(
+            " with {} adapter{}{}{}",
+            names.len(),
+            if names.len() == 1 { "" } else { "s" },
+            if names.is_empty() { String::new() } else { format!(" ({})", names.join(", ")) },
+            dir.as_ref().map(|d| format!(", more from {}", d.display())).unwrap_or_default()
+        ),
+    };
+    println!("Quiver serving {}{} on http://{addr} (OpenAI API at http://{addr}/v1)", served[0], lora_note);
+    let st = AppState::new(Arc::new(engine), scfg);
+    rt.block_on(quiver_server::serve_with_shutdown(st, listener, quiver_server::shutdown_signal()))?;
+    eprintln!("quiver: stopped");
+    Ok(())
+}

@@ -1,0 +1,867 @@
+//! The axum application: routes, auth, adapter resolution, SSE, graceful shutdown.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::{Stream, StreamExt};
+use serde_json::{json, Map, Value};
+
+use crate::adapters::{on_demand_dir, resolve_adapter_path, PathError};
+use crate::backend::{AdapterError, AdapterInfo, Backend, Event, EventStream, FinishReason, GenRequest};
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::request::{self, Common, ModelRef, Prompt};
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Names the base model answers to; the first is reported.
+    pub served_model_names: Vec<String>,
+    /// Where the base model came from (`root` of its model card).
+    pub model_path: String,
+    pub api_key: Option<String>,
+    /// Sandbox root for adapters loaded at run time, and the on-demand resolver's directory.
+    pub lora_dir: Option<PathBuf>,
+    pub lora_enabled: bool,
+    pub max_body_bytes: usize,
+    /// How long running requests may take to finish after SIGTERM/SIGINT.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            served_model_names: vec!["base".into()],
+            model_path: String::new(),
+            api_key: None,
+            lora_dir: None,
+            lora_enabled: true,
+            max_body_bytes: 16 << 20,
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+pub struct AppState {
+    pub backend: Arc<dyn Backend>,
+    pub cfg: ServerConfig,
+    pub metrics: Metrics,
+    shutting_down: AtomicBool,
+    /// Generation streams alive (for the shutdown drain).
+    in_flight: AtomicUsize,
+    next_id: AtomicU64,
+    /// Serialises adapter loads/unloads so check-then-load is atomic for the HTTP layer.
+    adapter_lock: tokio::sync::Mutex<()>,
+}
+
+impl AppState {
+    pub fn new(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Arc<Self> {
+        Arc::new(AppState {
+            backend,
+            cfg,
+            metrics: Metrics::default(),
+            shutting_down: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            next_id: AtomicU64::new(0),
+            adapter_lock: tokio::sync::Mutex::new(()),
+        })
+    }
+    pub fn served(&self) -> &str {
+        &self.cfg.served_model_names[0]
+    }
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+    }
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+    fn new_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        format!("{prefix}-{:x}{:08x}", t & 0xffff_ffff_ffff, n)
+    }
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+pub fn router(st: Arc<AppState>) -> Router {
+    let limit = st.cfg.max_body_bytes;
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/load_lora_adapter", post(v1_load))
+        .route("/v1/unload_lora_adapter", post(v1_unload))
+        .route("/v1/lora_adapters", get(list_adapters))
+        .route("/generate", post(generate))
+        .route("/load_lora_adapter", post(sgl_load))
+        .route("/unload_lora_adapter", post(sgl_unload))
+        .route("/health", get(health))
+        .route("/health_generate", get(health))
+        .route("/get_model_info", get(model_info))
+        .route("/metrics", get(metrics))
+        .route("/version", get(|| async { Json(json!({"version": env!("CARGO_PKG_VERSION")})) }))
+        .fallback(|| async { ApiError::not_found("Not found") })
+        .layer(middleware::from_fn_with_state(st.clone(), guard))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(st)
+}
+
+/// API key, shutdown refusal and per-route response counts.
+async fn guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_string()).unwrap_or_else(|| "other".into());
+    if let Some(key) = &st.cfg.api_key {
+        if path != "/health" {
+            let ok = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .is_some_and(|k| constant_time_eq(k.trim().as_bytes(), key.as_bytes()));
+            if !ok {
+                st.metrics.http(&route, 401);
+                return ApiError::new(StatusCode::UNAUTHORIZED, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)").into_response();
+            }
+        }
+    }
+    if st.is_shutting_down() && path != "/metrics" {
+        st.metrics.http(&route, 503);
+        return ApiError::unavailable().into_response();
+    }
+    let resp = next.run(req).await;
+    st.metrics.http(&route, resp.status().as_u16());
+    resp
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn body_bytes(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    b.map_err(|e| ApiError::new(e.status(), format!("Could not read the request body: {}", e.body_text())))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Adapter resolution
+
+/// Which adapter (if any) a request runs on; loads it from `--lora-dir` on demand.
+async fn resolve_adapter(st: &Arc<AppState>, model: Option<&str>, lora_path: Option<&str>) -> Result<Option<String>, ApiError> {
+    let shown = model.unwrap_or_default();
+    let name = match request::resolve_model_ref(model, lora_path, &st.cfg.served_model_names) {
+        ModelRef::Base => return Ok(None),
+        ModelRef::Adapter(name) => name,
+    };
+    let not_found = || ApiError::model_not_found(if shown.is_empty() || st.cfg.served_model_names.iter().any(|s| s == shown) { &name } else { shown });
+    if st.backend.adapters().iter().any(|a| a.name == name) {
+        return Ok(Some(name));
+    }
+    if !st.cfg.lora_enabled {
+        return Err(not_found());
+    }
+    let Some(dir) = st.cfg.lora_dir.clone().and_then(|root| on_demand_dir(&root, &name)) else {
+        return Err(not_found());
+    };
+    let _g = st.adapter_lock.lock().await;
+    if st.backend.adapters().iter().any(|a| a.name == name) {
+        return Ok(Some(name));
+    }
+    let b = st.backend.clone();
+    let n2 = name.clone();
+    let r = tokio::task::spawn_blocking(move || b.load_adapter(&n2, &dir, false, false, None)).await.map_err(|e| ApiError::internal(e.to_string()))?;
+    match r {
+        Ok(info) => {
+            tracing::info!(adapter = %info.name, path = %info.path.display(), "loaded on demand");
+            Ok(Some(name))
+        }
+        Err(AdapterError::AlreadyLoaded(_)) => Ok(Some(name)),
+        Err(e) => Err(ApiError::bad_request(format!("Could not load adapter `{name}` from --lora-dir: {e}"))),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Submission and metrics tracking
+
+/// Wraps an engine stream: records TTFT/ITL/e2e and token counts, counts in-flight streams.
+/// Dropping it drops the engine stream, which cancels the request.
+struct Tracked {
+    inner: EventStream,
+    st: Arc<AppState>,
+    adapter: String,
+    start: Instant,
+    last: Vec<Option<Instant>>,
+    done: Vec<bool>,
+}
+
+impl Tracked {
+    fn new(inner: EventStream, st: Arc<AppState>, adapter: String, n: usize) -> Self {
+        st.in_flight.fetch_add(1, Ordering::SeqCst);
+        Tracked { inner, st, adapter, start: Instant::now(), last: vec![None; n], done: vec![false; n] }
+    }
+}
+
+impl Stream for Tracked {
+    type Item = Event;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        let this = &mut *self;
+        let r = this.inner.as_mut().poll_next(cx);
+        if let Poll::Ready(Some(ev)) = &r {
+            let now = Instant::now();
+            match ev {
+                Event::Token { index, .. } => {
+                    if let Some(slot) = this.last.get_mut(*index) {
+                        match slot {
+                            None => this.st.metrics.first_token(&this.adapter, now - this.start),
+                            Some(prev) => this.st.metrics.inter_token(&this.adapter, now - *prev),
+                        }
+                        *slot = Some(now);
+                    }
+                }
+                Event::Finished { index, reason, prompt_tokens, completion_tokens } => {
+                    if let Some(d) = this.done.get_mut(*index).filter(|d| !**d) {
+                        *d = true;
+                        this.st.metrics.finished(&this.adapter, Some(*reason), *prompt_tokens, *completion_tokens, now - this.start);
+                    }
+                }
+                Event::Error(_) => {
+                    for d in this.done.iter_mut().filter(|d| !**d) {
+                        *d = true;
+                        this.st.metrics.finished(&this.adapter, None, 0, 0, now - this.start);
+                    }
+                }
+            }
+        }
+        r
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        let e2e = self.start.elapsed();
+        for d in self.done.iter().filter(|d| !**d) {
+            let _ = d;
+            self.st.metrics.finished(&self.adapter, Some(FinishReason::Abort), 0, 0, e2e);
+        }
+        self.st.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+type Merged = Pin<Box<dyn Stream<Item = (usize, Event)> + Send>>;
+
+struct Job {
+    adapter: Option<String>,
+    prompts: Vec<Vec<u32>>,
+    common: Common,
+    logprobs: Option<usize>,
+    default_max_tokens: Option<usize>,
+}
+
+/// Tokenizes nothing; checks lengths, submits every prompt, merges the streams tagged by prompt.
+fn submit_all(st: &Arc<AppState>, job: Job) -> Result<(Merged, Vec<usize>), ApiError> {
+    let max_len = st.backend.max_model_len();
+    let label = job.adapter.clone().unwrap_or_default();
+    let mut streams = Vec::with_capacity(job.prompts.len());
+    let mut prompt_lens = Vec::new();
+    for p in job.prompts {
+        if p.is_empty() {
+            return Err(ApiError::field("prompt", "the prompt is empty"));
+        }
+        let max_tokens = match job.common.max_tokens.or(job.default_max_tokens) {
+            Some(m) => m,
+            None if p.len() < max_len => max_len - p.len(),
+            None => 1,
+        };
+        if p.len() + max_tokens > max_len {
+            st.metrics.rejected(&label, "too_long");
+            return Err(ApiError::field(
+                if job.common.max_tokens.is_some() { "max_tokens" } else { "prompt" },
+                format!(
+                    "This model's maximum context length is {max_len} tokens. However, you requested {} tokens ({} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or completion.",
+                    p.len() + max_tokens,
+                    p.len()
+                ),
+            ));
+        }
+        prompt_lens.push(p.len());
+        let req = GenRequest {
+            prompt: p,
+            adapter: job.adapter.clone(),
+            sampling: job.common.sampling.clone(),
+            max_tokens,
+            stop: job.common.stop.clone(),
+            stop_token_ids: job.common.stop_token_ids.clone(),
+            ignore_eos: job.common.ignore_eos,
+            logprobs: job.logprobs,
+            n: job.common.n,
+        };
+        match st.backend.submit(req) {
+            Ok(s) => streams.push(Tracked::new(s, st.clone(), label.clone(), job.common.n)),
+            Err(e) => {
+                st.metrics.rejected(&label, match e {
+                    crate::backend::SubmitError::QueueFull => "queue_full",
+                    crate::backend::SubmitError::UnknownAdapter(_) => "unknown_adapter",
+                    crate::backend::SubmitError::TooLong { .. } => "too_long",
+                    crate::backend::SubmitError::Invalid(_) => "invalid",
+                    crate::backend::SubmitError::ShuttingDown => "shutting_down",
+                });
+                return Err(e.into()); // earlier streams drop here: cancelled
+            }
+        }
+    }
+    let merged = futures::stream::select_all(streams.into_iter().enumerate().map(|(i, s)| s.map(move |e| (i, e)).boxed()));
+    Ok((Box::pin(merged), prompt_lens))
+}
+
+#[derive(Default, Clone)]
+struct ChoiceAcc {
+    text: String,
+    ids: Vec<u32>,
+    logprobs: Vec<(u32, String, f32, Vec<(u32, f32)>)>,
+    finish: Option<FinishReason>,
+    completion_tokens: usize,
+}
+
+/// Runs merged streams to the end (non-streaming responses). Choice `p*n + i`.
+async fn collect(st: &AppState, mut s: Merged, n: usize, num_prompts: usize) -> Result<(Vec<ChoiceAcc>, usize), ApiError> {
+    let mut ch = vec![ChoiceAcc::default(); n * num_prompts];
+    let mut prompt_tokens = vec![0usize; num_prompts];
+    while let Some((p, ev)) = s.next().await {
+        match ev {
+            Event::Token { index, token_id, text, logprob } => {
+                let c = &mut ch[p * n + index.min(n - 1)];
+                c.text.push_str(&text);
+                c.ids.push(token_id);
+                if let Some(lp) = logprob {
+                    c.logprobs.push((token_id, st.backend.token_text(token_id), lp.logprob, lp.top));
+                }
+            }
+            Event::Finished { index, reason, prompt_tokens: pt, completion_tokens } => {
+                let c = &mut ch[p * n + index.min(n - 1)];
+                c.finish = Some(reason);
+                c.completion_tokens = completion_tokens;
+                prompt_tokens[p] = pt;
+            }
+            Event::Error(e) => return Err(ApiError::internal(format!("generation failed: {e}"))),
+        }
+    }
+    Ok((ch, prompt_tokens.iter().sum()))
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+fn finish_str(f: Option<FinishReason>) -> Value {
+    f.map_or(Value::Null, |f| Value::from(f.as_str()))
+}
+
+/// Completions-style logprobs for a run of tokens starting at `offset` chars into the choice.
+fn completion_logprobs(st: &AppState, lps: &[(u32, String, f32, Vec<(u32, f32)>)], mut offset: usize) -> Value {
+    let mut tokens = vec![];
+    let mut token_logprobs = vec![];
+    let mut top = vec![];
+    let mut offsets = vec![];
+    for (_, t, lp, alts) in lps {
+        tokens.push(Value::from(t.clone()));
+        token_logprobs.push(json!(lp));
+        let mut m = Map::new();
+        m.insert(t.clone(), json!(lp));
+        for (id, l) in alts {
+            m.entry(st.backend.token_text(*id)).or_insert(json!(l));
+        }
+        top.push(Value::Object(m));
+        offsets.push(offset);
+        offset += t.len();
+    }
+    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+}
+
+fn chat_logprobs(st: &AppState, lps: &[(u32, String, f32, Vec<(u32, f32)>)], top_n: usize) -> Value {
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|(_, t, lp, alts)| {
+            let top: Vec<Value> = alts
+                .iter()
+                .take(top_n)
+                .map(|(id, l)| {
+                    let s = st.backend.token_text(*id);
+                    json!({"token": s, "logprob": l, "bytes": s.as_bytes()})
+                })
+                .collect();
+            json!({"token": t, "logprob": lp, "bytes": t.as_bytes(), "top_logprobs": top})
+        })
+        .collect();
+    json!({"content": content})
+}
+
+fn sse_response(s: impl Stream<Item = Value> + Send + 'static) -> Response {
+    let events = s.map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))).chain(futures::stream::once(async { Ok(SseEvent::default().data("[DONE]")) }));
+    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
+}
+
+fn encode(st: &AppState, text: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
+    st.backend.encode(text, add_special).map_err(|e| ApiError::bad_request(format!("tokenization failed: {e}")))
+}
+
+// ---------------------------------------------------------------------------------------------
+// OpenAI routes
+
+async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let body = body_bytes(body)?;
+    let r = request::parse_completion(&body)?;
+    let adapter = resolve_adapter(&st, r.model.as_deref(), r.lora_path.as_deref()).await?;
+    let model_name = r.model.clone().unwrap_or_else(|| st.served().to_string());
+    let mut prompts = Vec::with_capacity(r.prompts.len());
+    let mut prompt_texts = Vec::with_capacity(r.prompts.len());
+    for p in &r.prompts {
+        match p {
+            Prompt::Text(t) => {
+                prompts.push(encode(&st, t, true)?);
+                prompt_texts.push(t.clone());
+            }
+            Prompt::Ids(ids) => {
+                prompts.push(ids.clone());
+                prompt_texts.push(String::new());
+            }
+        }
+    }
+    let (n, np, stream, include_usage, echo) = (r.common.n, prompts.len(), r.common.stream, r.common.include_usage, r.echo);
+    let want_lp = r.logprobs.is_some();
+    let job = Job { adapter, prompts, common: r.common, logprobs: r.logprobs, default_max_tokens: Some(16) };
+    let (merged, prompt_lens) = submit_all(&st, job)?;
+    let id = st.new_id("cmpl");
+    let created = now_secs();
+    if !stream {
+        let (choices, prompt_tokens) = collect(&st, merged, n, np).await?;
+        let completion: usize = choices.iter().map(|c| c.completion_tokens).sum();
+        let choices: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let text = if echo { format!("{}{}", prompt_texts[i / n], c.text) } else { c.text.clone() };
+                let lp = if want_lp { completion_logprobs(&st, &c.logprobs, if echo { prompt_texts[i / n].len() } else { 0 }) } else { Value::Null };
+                json!({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_str(c.finish), "stop_reason": Value::Null})
+            })
+            .collect();
+        return Ok(Json(json!({"id": id, "object": "text_completion", "created": created, "model": model_name, "choices": choices, "usage": usage(prompt_tokens, completion)})).into_response());
+    }
+    let st2 = st.clone();
+    let mut offsets = vec![0usize; n * np];
+    let completion = Arc::new(AtomicUsize::new(0));
+    let c2 = completion.clone();
+    let prompt_total: usize = prompt_lens.iter().sum();
+    let (id2, model2) = (id.clone(), model_name.clone());
+    let body = merged
+        .filter_map(move |(p, ev)| {
+            let out = match ev {
+                Event::Token { index, token_id, text, logprob } => {
+                    let ci = p * n + index;
+                    let lp = match (&logprob, want_lp) {
+                        (Some(l), true) => completion_logprobs(&st2, &[(token_id, st2.backend.token_text(token_id), l.logprob, l.top.clone())], offsets[ci]),
+                        _ => Value::Null,
+                    };
+                    offsets[ci] += text.len();
+                    let mut v = json!({"id": id2, "object": "text_completion", "created": created, "model": model2, "choices": [{"index": ci, "text": text, "logprobs": lp, "finish_reason": Value::Null}]});
+                    if include_usage {
+                        v["usage"] = Value::Null;
+                    }
+                    Some(v)
+                }
+                Event::Finished { index, reason, completion_tokens, .. } => {
+                    c2.fetch_add(completion_tokens, Ordering::Relaxed);
+                    let mut v = json!({"id": id2, "object": "text_completion", "created": created, "model": model2, "choices": [{"index": p * n + index, "text": "", "logprobs": Value::Null, "finish_reason": reason.as_str()}]});
+                    if include_usage {
+                        v["usage"] = Value::Null;
+                    }
+                    Some(v)
+                }
+                Event::Error(e) => Some(ApiError::internal(format!("generation failed: {e}")).body()),
+            };
+            futures::future::ready(out)
+        })
+        .boxed();
+    Ok(sse_response(with_usage_tail(body, include_usage, completion, id, "text_completion", created, model_name, prompt_total)))
+}
+
+/// Appends the `stream_options.include_usage` chunk; `completion` is summed from the finish
+/// events as they pass.
+#[allow(clippy::too_many_arguments)]
+fn with_usage_tail(
+    s: Pin<Box<dyn Stream<Item = Value> + Send>>,
+    include: bool,
+    completion: Arc<AtomicUsize>,
+    id: String,
+    object: &'static str,
+    created: u64,
+    model: String,
+    prompt_total: usize,
+) -> impl Stream<Item = Value> + Send {
+    let tail = futures::stream::once(async move {
+        let c = completion.load(Ordering::Relaxed);
+        json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage(prompt_total, c)})
+    })
+    .filter(move |_| futures::future::ready(include));
+    s.chain(tail)
+}
+
+async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let body = body_bytes(body)?;
+    let r = request::parse_chat(&body)?;
+    let adapter = resolve_adapter(&st, r.model.as_deref(), r.lora_path.as_deref()).await?;
+    let model_name = r.model.clone().unwrap_or_else(|| st.served().to_string());
+    if !st.backend.has_chat_template() {
+        return Err(ApiError::bad_request("This model has no chat template; use /v1/completions"));
+    }
+    let text = st.backend.render_chat(&r.messages, r.add_generation_prompt).map_err(|e| ApiError::field("messages", format!("chat template: {e}")))?;
+    let prompt = encode(&st, &text, false)?;
+    let (n, stream, include_usage, want_lp, top_n) = (r.common.n, r.common.stream, r.common.include_usage, r.logprobs, r.top_logprobs);
+    let job = Job { adapter, prompts: vec![prompt], common: r.common, logprobs: want_lp.then_some(top_n), default_max_tokens: None };
+    let (merged, prompt_lens) = submit_all(&st, job)?;
+    let id = st.new_id("chatcmpl");
+    let created = now_secs();
+    if !stream {
+        let (choices, prompt_tokens) = collect(&st, merged, n, 1).await?;
+        let completion: usize = choices.iter().map(|c| c.completion_tokens).sum();
+        let choices: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let lp = if want_lp { chat_logprobs(&st, &c.logprobs, top_n) } else { Value::Null };
+                json!({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": finish_str(c.finish), "stop_reason": Value::Null})
+            })
+            .collect();
+        return Ok(Json(json!({"id": id, "object": "chat.completion", "created": created, "model": model_name, "choices": choices, "usage": usage(prompt_tokens, completion)})).into_response());
+    }
+    let st2 = st.clone();
+    let (id2, model2) = (id.clone(), model_name.clone());
+    let chunk = move |choice: Value| {
+        let mut v = json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": model2, "choices": [choice]});
+        if include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    };
+    let chunk2 = chunk.clone();
+    let completion = Arc::new(AtomicUsize::new(0));
+    let c2 = completion.clone();
+    let roles = futures::stream::iter((0..n).map(move |i| chunk2(json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null}))));
+    let events = merged.filter_map(move |(_, ev)| {
+        let out = match ev {
+            Event::Token { index, token_id, text, logprob } => {
+                let lp = match (&logprob, want_lp) {
+                    (Some(l), true) => chat_logprobs(&st2, &[(token_id, st2.backend.token_text(token_id), l.logprob, l.top.clone())], top_n),
+                    _ => Value::Null,
+                };
+                Some(chunk(json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": Value::Null})))
+            }
+            Event::Finished { index, reason, completion_tokens, .. } => {
+                c2.fetch_add(completion_tokens, Ordering::Relaxed);
+                Some(chunk(json!({"index": index, "delta": {}, "logprobs": Value::Null, "finish_reason": reason.as_str()})))
+            }
+            Event::Error(e) => Some(ApiError::internal(format!("generation failed: {e}")).body()),
+        };
+        futures::future::ready(out)
+    });
+    let body = roles.chain(events).boxed();
+    Ok(sse_response(with_usage_tail(body, include_usage, completion, id, "chat.completion.chunk", created, model_name, prompt_lens.iter().sum())))
+}
+
+fn adapter_card(st: &AppState, a: &AdapterInfo) -> Value {
+    json!({
+        "id": a.name, "object": "model", "created": now_secs(), "owned_by": "quiver",
+        "root": a.path.display().to_string(), "parent": st.served(), "max_model_len": st.backend.max_model_len(),
+        "version": a.version, "pinned": a.pinned, "rank": a.rank, "permission": []
+    })
+}
+
+async fn list_models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let mut data = vec![json!({
+        "id": st.served(), "object": "model", "created": now_secs(), "owned_by": "quiver",
+        "root": st.cfg.model_path, "parent": Value::Null, "max_model_len": st.backend.max_model_len(), "permission": []
+    })];
+    data.extend(st.backend.adapters().iter().map(|a| adapter_card(&st, a)));
+    Json(json!({"object": "list", "data": data}))
+}
+
+async fn list_adapters(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(Value::Array(st.backend.adapters().iter().map(|a| json!({"name": a.name, "path": a.path.display().to_string(), "version": a.version, "pinned": a.pinned, "rank": a.rank})).collect()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Adapter management
+
+struct LoadReq {
+    name: String,
+    path: String,
+    pinned: bool,
+    load_inplace: bool,
+    expected_version: Option<u64>,
+}
+
+fn parse_load(body: &[u8]) -> Result<LoadReq, ApiError> {
+    let m = request::parse_object(body)?;
+    let f = request::Fields::new(&m);
+    let name = f.required_str("lora_name")?.trim().to_string();
+    let path = f.required_str("lora_path")?.to_string();
+    let expected_version = match f.i64("expected_version")?.or(f.i64("expected_generation")?) {
+        Some(v) if v < 0 => return Err(ApiError::field("expected_version", "`expected_version` must be >= 0")),
+        v => v.map(|v| v as u64),
+    };
+    Ok(LoadReq { name, path, pinned: f.bool("pinned")?.unwrap_or(false), load_inplace: f.bool("load_inplace")?.unwrap_or(false), expected_version })
+}
+
+async fn do_load(st: &Arc<AppState>, r: LoadReq) -> Result<AdapterInfo, ApiError> {
+    if !st.cfg.lora_enabled {
+        return Err(ApiError::bad_request("LoRA is not enabled; start the server with --enable-lora (or --lora-dir / --lora-modules / --lora-paths)"));
+    }
+    if r.name.is_empty() || r.name.contains(':') || st.cfg.served_model_names.iter().any(|s| *s == r.name) {
+        return Err(ApiError::field("lora_name", format!("`lora_name` {:?} is not allowed: it must be non-empty, contain no ':' and differ from the base model's name", r.name)));
+    }
+    let path = resolve_adapter_path(st.cfg.lora_dir.as_deref(), &r.path).map_err(|e| match e {
+        PathError::Outside(m) => ApiError::field("lora_path", m),
+        PathError::Missing(m) => ApiError { status: StatusCode::NOT_FOUND, message: m, param: Some("lora_path".into()) },
+    })?;
+    let _g = st.adapter_lock.lock().await;
+    if !r.load_inplace && st.backend.adapters().iter().any(|a| a.name == r.name) {
+        return Err(ApiError::field("lora_name", format!("The lora adapter '{}' has already been loaded. Use load_inplace to replace it.", r.name)));
+    }
+    let b = st.backend.clone();
+    let res = tokio::task::spawn_blocking(move || b.load_adapter(&r.name, &path, r.pinned, r.load_inplace, r.expected_version)).await.map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok(res?)
+}
+
+async fn do_unload(st: &Arc<AppState>, body: &[u8]) -> Result<String, ApiError> {
+    let m = request::parse_object(body)?;
+    let f = request::Fields::new(&m);
+    let name = f.required_str("lora_name")?.trim().to_string();
+    let _g = st.adapter_lock.lock().await;
+    if !st.backend.adapters().iter().any(|a| a.name == name) {
+        return Err(ApiError { status: StatusCode::NOT_FOUND, message: format!("The lora adapter '{name}' cannot be found."), param: Some("lora_name".into()) });
+    }
+    let b = st.backend.clone();
+    let n2 = name.clone();
+    tokio::task::spawn_blocking(move || b.unload_adapter(&n2)).await.map_err(|e| ApiError::internal(e.to_string()))??;
+    Ok(name)
+}
+
+async fn v1_load(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let body = body_bytes(body)?;
+    let info = do_load(&st, parse_load(&body)?).await?;
+    tracing::info!(adapter = %info.name, version = info.version, "adapter loaded");
+    Ok((StatusCode::OK, format!("Success: LoRA adapter '{}' added successfully (version {}).", info.name, info.version)).into_response())
+}
+
+async fn v1_unload(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let body = body_bytes(body)?;
+    let name = do_unload(&st, &body).await?;
+    Ok((StatusCode::OK, format!("Success: LoRA adapter '{name}' removed successfully.")).into_response())
+}
+
+fn sgl_reply(st: &AppState, r: Result<(), ApiError>) -> Response {
+    let loaded: Map<String, Value> = st.backend.adapters().iter().map(|a| (a.name.clone(), Value::from(a.path.display().to_string()))).collect();
+    match r {
+        Ok(()) => Json(json!({"success": true, "error_message": "", "loaded_adapters": loaded})).into_response(),
+        Err(e) => {
+            let status = if e.status == StatusCode::CONFLICT { StatusCode::CONFLICT } else { StatusCode::BAD_REQUEST };
+            (status, Json(json!({"success": false, "error_message": e.message, "loaded_adapters": loaded}))).into_response()
+        }
+    }
+}
+
+async fn sgl_load(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let r = async {
+        let body = body_bytes(body)?;
+        do_load(&st, parse_load(&body)?).await.map(|_| ())
+    }
+    .await;
+    sgl_reply(&st, r)
+}
+
+async fn sgl_unload(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let r = async {
+        let body = body_bytes(body)?;
+        do_unload(&st, &body).await.map(|_| ())
+    }
+    .await
+    .map_err(|mut e| {
+        if e.status == StatusCode::NOT_FOUND {
+            let names: Vec<String> = st.backend.adapters().into_iter().map(|a| a.name).collect();
+            e.message = format!("{} Loaded LoRAs: {}", e.message.replace("The lora adapter", "LoRA with name").replace("cannot be found.", "does not exist."), names.join(", "));
+        }
+        e
+    });
+    sgl_reply(&st, r)
+}
+
+// ---------------------------------------------------------------------------------------------
+// SGLang native
+
+async fn generate(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let body = body_bytes(body)?;
+    let r = request::parse_generate(&body)?;
+    let adapter = resolve_adapter(&st, None, r.lora_path.as_deref()).await?;
+    let mut prompts = Vec::new();
+    for p in &r.prompts {
+        prompts.push(match p {
+            Prompt::Text(t) => encode(&st, t, true)?,
+            Prompt::Ids(ids) => ids.clone(),
+        });
+    }
+    let (n, np, stream) = (r.common.n, prompts.len(), r.common.stream);
+    let want_lp = r.return_logprob;
+    let job = Job { adapter, prompts, common: r.common, logprobs: want_lp.then_some(r.top_logprobs_num), default_max_tokens: Some(128) };
+    let (merged, prompt_lens) = submit_all(&st, job)?;
+    let rid = st.new_id("gen");
+    let start = Instant::now();
+    let meta = move |i: usize, ids_len: usize, finish: Option<FinishReason>, lps: &[(u32, String, f32, Vec<(u32, f32)>)], prompt_lens: &[usize]| {
+        let fr = match finish {
+            None => Value::Null,
+            Some(FinishReason::Length) => json!({"type": "length", "length": ids_len}),
+            Some(f) => json!({"type": f.as_str()}),
+        };
+        let mut m = json!({"id": format!("{rid}-{i}"), "finish_reason": fr, "prompt_tokens": prompt_lens[i / n], "completion_tokens": ids_len, "cached_tokens": 0, "e2e_latency": start.elapsed().as_secs_f64()});
+        if want_lp {
+            m["output_token_logprobs"] = Value::Array(lps.iter().map(|(id, _, lp, _)| json!([lp, id, Value::Null])).collect());
+            m["output_top_logprobs"] = Value::Array(lps.iter().map(|(_, _, _, top)| Value::Array(top.iter().map(|(id, l)| json!([l, id, Value::Null])).collect())).collect());
+        }
+        m
+    };
+    if !stream {
+        let (choices, _) = collect(&st, merged, n, np).await?;
+        let outs: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| json!({"text": c.text, "output_ids": c.ids, "meta_info": meta(i, c.ids.len(), c.finish, &c.logprobs, &prompt_lens), "index": i}))
+            .collect();
+        let single = !r.batched && n == 1;
+        return Ok(Json(if single { outs.into_iter().next().unwrap_or(Value::Null) } else { Value::Array(outs) }).into_response());
+    }
+    // SGLang streams the cumulative text of each output.
+    let mut acc = vec![ChoiceAcc::default(); n * np];
+    let st2 = st.clone();
+    let body = merged
+        .filter_map(move |(p, ev)| {
+            let out = match ev {
+                Event::Token { index, token_id, text, logprob } => {
+                    let i = p * n + index;
+                    let c = &mut acc[i];
+                    c.text.push_str(&text);
+                    c.ids.push(token_id);
+                    if let Some(l) = logprob {
+                        c.logprobs.push((token_id, st2.backend.token_text(token_id), l.logprob, l.top));
+                    }
+                    Some(json!({"text": c.text, "output_ids": c.ids, "meta_info": meta(i, c.ids.len(), None, &c.logprobs, &prompt_lens), "index": i}))
+                }
+                Event::Finished { index, reason, .. } => {
+                    let i = p * n + index;
+                    let c = &acc[i];
+                    Some(json!({"text": c.text, "output_ids": c.ids, "meta_info": meta(i, c.ids.len(), Some(reason), &c.logprobs, &prompt_lens), "index": i}))
+                }
+                Event::Error(e) => Some(json!({"error": {"message": e}})),
+            };
+            futures::future::ready(out)
+        })
+        .boxed();
+    Ok(sse_response(body))
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    if st.is_shutting_down() {
+        ApiError::unavailable().into_response()
+    } else {
+        StatusCode::OK.into_response()
+    }
+}
+
+async fn model_info(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "model_path": st.cfg.model_path, "tokenizer_path": st.cfg.model_path, "served_model_name": st.served(),
+        "is_generation": true, "model_type": st.backend.model_type(), "max_model_len": st.backend.max_model_len(),
+        "preferred_sampling_params": Value::Null, "weight_version": "default", "has_image_understanding": false,
+        "lora_enabled": st.cfg.lora_enabled,
+    }))
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let stats = st.backend.stats();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render(st.served(), &stats)).into_response()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Serving with graceful shutdown
+
+/// Resolves when SIGTERM or SIGINT arrives.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => futures::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = futures::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+/// Serves until `stop` resolves, then: refuse new requests with 503, let running ones finish
+/// within the grace period, close the listener, and stop the engine.
+pub async fn serve_with_shutdown(st: Arc<AppState>, listener: tokio::net::TcpListener, stop: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    let app = router(st.clone()).into_make_service_with_connect_info::<SocketAddr>();
+    let (tx, mut rx) = tokio::sync::watch::channel(false);
+    let st2 = st.clone();
+    let grace = st.cfg.shutdown_grace;
+    tokio::spawn(async move {
+        stop.await;
+        st2.begin_shutdown();
+        let t0 = Instant::now();
+        tracing::warn!(in_flight = st2.in_flight(), "shutting down: refusing new requests, draining running ones (grace {:?})", grace);
+        while st2.in_flight() > 0 && t0.elapsed() < grace {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if st2.in_flight() > 0 {
+            tracing::warn!(in_flight = st2.in_flight(), "grace period over; cancelling the remaining requests");
+        }
+        let _ = tx.send(true);
+    });
+    let mut rx2 = rx.clone();
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        let _ = rx.wait_for(|v| *v).await;
+    });
+    tokio::select! {
+        r = std::future::IntoFuture::into_future(server) => r?,
+        _ = async move {
+            let _ = rx2.wait_for(|v| *v).await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        } => {}
+    }
+    st.backend.shutdown();
+    Ok(())
+}
