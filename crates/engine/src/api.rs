@@ -11,6 +11,9 @@ pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     /// Adapter name; `None` = base model.
     pub adapter: Option<String>,
+    /// Each sample owns an RNG seeded from `sampling.seed` (+ its index), so its draws do not
+    /// depend on what else is batched with it. (The batched forward's logits may differ from a
+    /// lone run in the last float bits, which can only matter for a draw landing on a boundary.)
     pub sampling: SamplingParams,
     pub max_tokens: usize,
     /// Stop strings: generation ends before the first occurrence, which is never streamed.

@@ -1,6 +1,5 @@
 //! One batched varlen call over sequences of different lengths gives the same logits as each
-//! sequence run alone, and a prefill split into chunks interleaved with other sequences' decode
-//! rows gives the same logits as one whole prefill.
+//! sequence run alone (relative error ≤ 1e-5).
 
 mod common;
 
@@ -48,8 +47,13 @@ fn batched_equals_alone_within_1e5() {
     let mut off = 0;
     for (s, a) in seqs.iter().zip(&alone) {
         let n = s.len() * vocab;
-        let worst = batched[off..off + n].iter().zip(a).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        assert!(worst <= 1e-5, "sequence of length {}: max |Δlogit| {worst}", s.len());
+        // GEMM blocking depends on the row count, so sums are reassociated between the two runs:
+        // the bound is relative to each row's logit scale (f32 carries ~7 digits).
+        for (rb, ra) in batched[off..off + n].chunks(vocab).zip(a.chunks(vocab)) {
+            let scale = ra.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            let worst = rb.iter().zip(ra).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(worst <= 1e-5 * scale, "sequence of length {}: max |Δlogit| {worst} vs row scale {scale}", s.len());
+        }
         off += n;
     }
 }

@@ -21,7 +21,7 @@ fn thousand_random_requests_leak_nothing() {
     let paths = make_adapters("leak", &dims, 6, 8, 0.5, 1000);
     let bpb = lm.model.kv_bytes_per_block(16);
     let cfg = EngineConfig {
-        kv_cache_memory: Some(48 * bpb),
+        kv_cache_memory: Some(20 * bpb),
         max_running_requests: 12,
         max_num_batched_tokens: 48,
         chunked_prefill_size: 16,
@@ -67,7 +67,7 @@ fn thousand_random_requests_leak_nothing() {
             let req = GenerateRequest {
                 prompt: p,
                 adapter,
-                max_tokens: rng.random_range(1..8),
+                max_tokens: rng.random_range(1..10),
                 n: [1, 1, 1, 2, 3][rng.random_range(0..5)],
                 sampling: SamplingParams { temperature, seed: Some(rng.random()), presence_penalty: 0.5, ..Default::default() },
                 stop: if rng.random_bool(0.2) { vec!["e".into()] } else { vec![] },
