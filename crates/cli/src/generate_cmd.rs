@@ -1,7 +1,9 @@
 use crate::model_path;
 use anyhow::{Context, Result};
 use clap::Args;
-use quiver_engine::{BaseOnly, GenerateOptions, Generator, SamplingParams};
+use quiver_engine::{BaseOnly, GenerateOptions, Generator, SamplingParams, StepLora};
+use quiver_lora::{AdapterKey, LoraConfig, LoraHook, LoraManager, LoraModule};
+use quiver_model::ForwardBatch;
 use quiver_kernels::{open_device, DType, DeviceKind};
 use quiver_model::chat::ChatMessage;
 use quiver_model::load_model;
@@ -44,8 +46,55 @@ pub struct GenerateArgs {
     /// Context window to allocate (default: prompt + max_tokens).
     #[arg(long)]
     pub max_context: Option<usize>,
+    /// Load a PEFT LoRA adapter: NAME=PATH (repeatable).
+    #[arg(long = "lora", value_name = "NAME=PATH")]
+    pub loras: Vec<String>,
+    /// The adapter to generate with (one of the --lora names; default: the base model).
+    #[arg(long)]
+    pub adapter: Option<String>,
+    #[arg(long, default_value_t = 64)]
+    pub max_lora_rank: usize,
+    /// LoRA backend (see `quiver serve --help`): auto, segmented, chunked, reference.
+    #[arg(long, default_value = "auto")]
+    pub lora_backend: String,
     /// The prompt.
     pub prompt: String,
+}
+
+/// The CLI's single adapter, prepared per step for the generator.
+struct CliLora {
+    mgr: LoraManager,
+    key: AdapterKey,
+}
+
+impl StepLora for CliLora {
+    fn with_hook(&mut self, batch: &ForwardBatch, f: &mut dyn FnMut(&dyn LoraHook)) {
+        match self.mgr.prepare_batch(&[Some(self.key)], &batch.seq_starts, &batch.logits_rows) {
+            Ok(hook) => f(&hook),
+            // One adapter in an otherwise empty pool always fits; anything else is a bug.
+            Err(e) => panic!("preparing the LoRA batch: {e}"),
+        }
+    }
+}
+
+fn setup_lora(a: &GenerateArgs, dims: quiver_lora::LoraModelDims, device: DeviceKind) -> Result<Option<CliLora>> {
+    quiver_lora::validate_backend(&a.lora_backend, device).map_err(anyhow::Error::msg)?;
+    let Some(name) = &a.adapter else {
+        anyhow::ensure!(a.loras.is_empty() || a.adapter.is_some(), "--lora given without --adapter");
+        return Ok(None);
+    };
+    let cfg = LoraConfig { max_lora_rank: a.max_lora_rank, backend: a.lora_backend.clone(), target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
+    let mut mgr = LoraManager::new(dims, cfg, device)?;
+    let mut key = None;
+    for spec in &a.loras {
+        let (n, p) = spec.split_once('=').with_context(|| format!("--lora `{spec}`: expected NAME=PATH"))?;
+        let k = mgr.load_adapter(n, p).with_context(|| format!("loading adapter `{n}` from {p}"))?;
+        if n == name {
+            key = Some(k);
+        }
+    }
+    let key = key.with_context(|| format!("--adapter `{name}` is not one of the --lora names"))?;
+    Ok(Some(CliLora { mgr, key }))
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
@@ -71,11 +120,17 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         prefill_chunk: 512,
     };
     let max_ctx = a.max_context.unwrap_or(prompt_ids.len() + a.max_tokens).min(lm.model.config.max_position_embeddings);
+    let mut lora = setup_lora(&a, lm.model.lora_dims(), a.device)?;
+    let mut base = BaseOnly;
+    let step_lora: &mut dyn StepLora = match lora.as_mut() {
+        Some(l) => l,
+        None => &mut base,
+    };
     let mut g = Generator::new(&lm.model, max_ctx);
     let mut out = std::io::stdout().lock();
     let mut stream = tok.decode_stream(true);
     let mut ids = Vec::new();
-    let stats = g.generate(&prompt_ids, &opts, &mut BaseOnly, |t| {
+    let stats = g.generate(&prompt_ids, &opts, step_lora, |t| {
         if a.ids {
             ids.push(t.to_string());
         } else if let Some(s) = stream.step(t) {
