@@ -7,11 +7,11 @@ QUIVER := target/release/quiver
 .PHONY: demo test test-data test-server build model venv clean-refs
 
 demo: model build
-	@echo "== base model, greedy =="
-	$(QUIVER) generate --chat --max-tokens 64 "What is the capital of France? Answer in one sentence."
+	python3 scripts/demo.py
 
 test: test-data
 	$(CARGO) test --release --workspace
+	$(MAKE) test-server
 
 build:
 	$(CARGO) build --release -p quiver
