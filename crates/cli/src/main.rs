@@ -1,7 +1,9 @@
 //! `quiver`: one binary, clap subcommands.
 
 mod bench_cmd;
+mod bench_engine;
 mod bench_generate;
+mod bench_lora;
 mod generate_cmd;
 mod model_path;
 mod serve_cmd;

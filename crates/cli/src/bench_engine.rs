@@ -1,0 +1,54 @@
+//! `quiver bench engine`: the serving engine's throughput for concurrent streams — base model,
+//! all streams on one adapter, streams spread over distinct adapters — measured in one run.
+
+use crate::model_path;
+use anyhow::Result;
+use clap::Args;
+use quiver_engine::bench::{bench_engine, BenchOptions};
+use quiver_engine::EngineConfig;
+use quiver_kernels::{open_device, DType, DeviceKind};
+use quiver_model::load_model;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct BenchEngineArgs {
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long, default_value = "f32")]
+    pub dtype: DType,
+    #[arg(long, default_value_t = 16)]
+    pub streams: usize,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    #[arg(long, default_value_t = 16)]
+    pub prompt_tokens: usize,
+    #[arg(long, default_value_t = 16)]
+    pub rank: usize,
+    #[arg(long, default_value_t = 4)]
+    pub adapters: usize,
+    #[arg(long, default_value = "auto")]
+    pub lora_backend: String,
+    #[arg(long)]
+    pub output_json: Option<PathBuf>,
+}
+
+pub fn run(a: BenchEngineArgs) -> Result<()> {
+    let path = model_path::resolve(a.model.clone())?;
+    let lm = load_model(&path, open_device(DeviceKind::Cpu)?, a.dtype)?;
+    let cfg = EngineConfig { lora_backend: a.lora_backend.clone(), ..Default::default() };
+    let o = BenchOptions { streams: a.streams, max_tokens: a.max_tokens, prompt_tokens: a.prompt_tokens, rank: a.rank, num_adapters: a.adapters };
+    println!("model {} | dtype {:?} | {} threads | backend {}", path.display(), a.dtype, rayon::current_num_threads(), a.lora_backend);
+    let res = bench_engine(lm, cfg, &o)?;
+    let base = res.iter().find(|r| r.scenario == "base").map(|r| r.tokens_per_second).unwrap_or(f64::NAN);
+    for r in &res {
+        println!("{r}   ({:.2}x base)", r.tokens_per_second / base);
+    }
+    if let Some(p) = a.output_json {
+        let rows: Vec<_> = res
+            .iter()
+            .map(|r| serde_json::json!({"scenario": r.scenario, "streams": r.streams, "max_tokens": r.max_tokens, "generated_tokens": r.generated_tokens, "seconds": r.seconds, "tok_s": r.tokens_per_second, "vs_base": r.tokens_per_second / base}))
+            .collect();
+        std::fs::write(p, serde_json::to_string_pretty(&serde_json::json!({"bench": "engine", "results": rows}))?)?;
+    }
+    Ok(())
+}
