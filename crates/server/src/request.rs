@@ -150,7 +150,7 @@ pub fn parse_common(f: &Fields, max_tokens_keys: &[&str], default_temperature: f
     let p = f.prefix;
     let nm = |k: &str| format!("{p}{k}");
     if let Some(t) = f.f32("temperature")? {
-        if !(t >= 0.0) || !t.is_finite() {
+        if t.is_nan() || t < 0.0 || !t.is_finite() {
             return Err(range_err(&nm("temperature"), ">= 0", t));
         }
         s.temperature = t;
@@ -182,7 +182,7 @@ pub fn parse_common(f: &Fields, max_tokens_keys: &[&str], default_temperature: f
         }
     }
     if let Some(v) = f.f32("repetition_penalty")? {
-        if !(v > 0.0) || !v.is_finite() {
+        if v.is_nan() || v <= 0.0 || !v.is_finite() {
             return Err(range_err(&nm("repetition_penalty"), "> 0", v));
         }
         s.repetition_penalty = v;

@@ -331,11 +331,14 @@ fn submit_all(st: &Arc<AppState>, job: Job) -> Result<(Merged, Vec<usize>), ApiE
     Ok((Box::pin(merged), prompt_lens))
 }
 
+/// `(token id, token text, logprob, top alternatives)`.
+type TokLp = (u32, String, f32, Vec<(u32, f32)>);
+
 #[derive(Default, Clone)]
 struct ChoiceAcc {
     text: String,
     ids: Vec<u32>,
-    logprobs: Vec<(u32, String, f32, Vec<(u32, f32)>)>,
+    logprobs: Vec<TokLp>,
     finish: Option<FinishReason>,
     completion_tokens: usize,
 }
@@ -375,7 +378,7 @@ fn finish_str(f: Option<FinishReason>) -> Value {
 }
 
 /// Completions-style logprobs for a run of tokens starting at `offset` chars into the choice.
-fn completion_logprobs(st: &AppState, lps: &[(u32, String, f32, Vec<(u32, f32)>)], mut offset: usize) -> Value {
+fn completion_logprobs(st: &AppState, lps: &[TokLp], mut offset: usize) -> Value {
     let mut tokens = vec![];
     let mut token_logprobs = vec![];
     let mut top = vec![];
@@ -395,7 +398,7 @@ fn completion_logprobs(st: &AppState, lps: &[(u32, String, f32, Vec<(u32, f32)>)
     json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
 }
 
-fn chat_logprobs(st: &AppState, lps: &[(u32, String, f32, Vec<(u32, f32)>)], top_n: usize) -> Value {
+fn chat_logprobs(st: &AppState, lps: &[TokLp], top_n: usize) -> Value {
     let content: Vec<Value> = lps
         .iter()
         .map(|(_, t, lp, alts)| {
@@ -633,7 +636,7 @@ async fn do_load(st: &Arc<AppState>, r: LoadReq) -> Result<AdapterInfo, ApiError
     if !st.cfg.lora_enabled {
         return Err(ApiError::bad_request("LoRA is not enabled; start the server with --enable-lora (or --lora-dir / --lora-modules / --lora-paths)"));
     }
-    if r.name.is_empty() || r.name.contains(':') || st.cfg.served_model_names.iter().any(|s| *s == r.name) {
+    if r.name.is_empty() || r.name.contains(':') || st.cfg.served_model_names.contains(&r.name) {
         return Err(ApiError::field("lora_name", format!("`lora_name` {:?} is not allowed: it must be non-empty, contain no ':' and differ from the base model's name", r.name)));
     }
     let path = resolve_adapter_path(st.cfg.lora_dir.as_deref(), &r.path).map_err(|e| match e {
@@ -732,7 +735,7 @@ async fn generate(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesReje
     let (merged, prompt_lens) = submit_all(&st, job)?;
     let rid = st.new_id("gen");
     let start = Instant::now();
-    let meta = move |i: usize, ids_len: usize, finish: Option<FinishReason>, lps: &[(u32, String, f32, Vec<(u32, f32)>)], prompt_lens: &[usize]| {
+    let meta = move |i: usize, ids_len: usize, finish: Option<FinishReason>, lps: &[TokLp], prompt_lens: &[usize]| {
         let fr = match finish {
             None => Value::Null,
             Some(FinishReason::Length) => json!({"type": "length", "length": ids_len}),
@@ -841,6 +844,12 @@ pub async fn serve_with_shutdown(st: Arc<AppState>, listener: tokio::net::TcpLis
     tokio::spawn(async move {
         stop.await;
         st2.begin_shutdown();
+        // A second signal skips the drain.
+        tokio::spawn(async {
+            shutdown_signal().await;
+            eprintln!("quiver: second signal, exiting without waiting for running requests");
+            std::process::exit(130);
+        });
         let t0 = Instant::now();
         tracing::warn!(in_flight = st2.in_flight(), "shutting down: refusing new requests, draining running ones (grace {:?})", grace);
         while st2.in_flight() > 0 && t0.elapsed() < grace {
