@@ -70,15 +70,10 @@ pub(super) fn paged_attention(qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorag
             for (t, sv) in scores.iter_mut().enumerate() {
                 let slot = table[t / bs] as usize * bs + t % bs;
                 let k = &kc[slot * kvw + kvh * hd..slot * kvw + (kvh + 1) * hd];
-                let d: f32 = q.iter().zip(k).map(|(a, b)| a * b).sum();
-                *sv = d * scale;
+                *sv = super::simd::dot(q, k) * scale;
                 max = max.max(*sv);
             }
-            let mut sum = 0.0f32;
-            for sv in scores.iter_mut() {
-                *sv = (*sv - max).exp();
-                sum += *sv;
-            }
+            let sum = super::simd::exp_shift_sum(scores, max);
             let inv = 1.0 / sum;
             o.fill(0.0);
             for (t, &p) in scores.iter().enumerate() {

@@ -15,12 +15,45 @@ pub fn matmul_f32(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f
     if m == 0 || n == 0 {
         return;
     }
+    if m <= SMALL_M && !accumulate {
+        return small_m_parallel(x, m, k, w, n, y);
+    }
     let xm = MatRef::from_row_major_slice(x, m, k);
     let wt = MatRef::from_row_major_slice(w, n, k).transpose();
     let ym = MatMut::from_row_major_slice_mut(y, m, n);
     // Small problems lose more to thread handoff than they gain.
     let par = if (m * n * k) < 64 * 1024 { Par::Seq } else { Par::rayon(0) };
     faer::linalg::matmul::matmul(ym, if accumulate { Accum::Add } else { Accum::Replace }, xm, wt, 1.0f32, par);
+}
+
+/// Up to this many rows, the unpacked streaming kernel beats faer (which packs W every call).
+pub const SMALL_M: usize = 16;
+
+thread_local! {
+    static SMALL_Y: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+fn small_m_parallel(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f32]) {
+    let threads = rayon::current_num_threads().max(1);
+    let nb = (n / (threads * 4)).clamp(16, 256);
+    let yptr = SyncPtr(y.as_mut_ptr());
+    (0..n.div_ceil(nb)).into_par_iter().for_each(|b| {
+        let j0 = b * nb;
+        let j1 = (j0 + nb).min(n);
+        let w_ = j1 - j0;
+        SMALL_Y.with(|c| {
+            let mut buf = c.borrow_mut();
+            if buf.len() < m * w_ {
+                buf.resize(m * w_, 0.0);
+            }
+            super::simd::small_m(x, m, k, w, j0..j1, &mut buf[..m * w_], w_, j0);
+            let yp = yptr;
+            for i in 0..m {
+                // SAFETY: columns j0..j1 of every row belong to this task alone; i*n + j1 <= m*n.
+                unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(i * w_), yp.0.add(i * n + j0), w_) };
+            }
+        })
+    });
 }
 
 /// Output rows of W per task for bf16: 64 rows × k floats of scratch stays in L2.

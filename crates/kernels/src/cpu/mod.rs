@@ -4,6 +4,7 @@
 
 mod attention;
 mod gemm;
+pub mod simd;
 
 use crate::{AttnBatch, Device, DeviceKind, KvStorage, RopeTable, Tensor, Weight, WeightData};
 use rayon::prelude::*;
@@ -134,9 +135,7 @@ impl Device for CpuDevice {
         let out = &mut out.as_cpu_mut()[..rows * inter];
         out.par_chunks_mut(inter).zip(gu.par_chunks(2 * inter)).for_each(|(o, g)| {
             let (gate, up) = g.split_at(inter);
-            for ((ov, &gv), &uv) in o.iter_mut().zip(gate).zip(up) {
-                *ov = gv / (1.0 + (-gv).exp()) * uv;
-            }
+            simd::silu_mul(gate, up, o);
         });
     }
 
