@@ -24,29 +24,8 @@ pub struct GenRequest {
     pub n: usize,
 }
 
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenLogprob {
-    pub logprob: f32,
-    /// `(token id, logprob)`, best first.
-    pub top: Vec<(u32, f32)>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    Stop,
-    Length,
-    Abort,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Abort => "abort",
-        }
-    }
-}
+// The engine's own event payload types: the HTTP layer renders them as they are.
+pub use quiver_engine::{FinishReason, TokenLogprob};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {

@@ -31,20 +31,12 @@ fn conv_info(a: quiver_engine::AdapterInfo) -> AdapterInfo {
     AdapterInfo { name: a.name, path: a.path, version: a.version, pinned: a.pinned, rank: a.rank }
 }
 
-fn conv_reason(r: quiver_engine::FinishReason) -> FinishReason {
-    match r {
-        quiver_engine::FinishReason::Stop => FinishReason::Stop,
-        quiver_engine::FinishReason::Length => FinishReason::Length,
-        quiver_engine::FinishReason::Abort => FinishReason::Abort,
-    }
-}
-
 fn conv_event(e: StreamEvent) -> Event {
     match e {
         StreamEvent::Token { index, token_id, text, logprob } => {
-            Event::Token { index, token_id, text, logprob: logprob.map(|l| TokenLogprob { logprob: l.logprob, top: l.top }) }
+            Event::Token { index, token_id, text, logprob }
         }
-        StreamEvent::Finished { index, reason, prompt_tokens, completion_tokens } => Event::Finished { index, reason: conv_reason(reason), prompt_tokens, completion_tokens },
+        StreamEvent::Finished { index, reason, prompt_tokens, completion_tokens } => Event::Finished { index, reason, prompt_tokens, completion_tokens },
         StreamEvent::Error(s) => Event::Error(s),
     }
 }
