@@ -27,24 +27,15 @@ pub(super) fn paged_attention(qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorag
     // Write this step's keys and values into their cache slots first, so attention below reads
     // cached and new tokens the same way.
     {
-        let kc = kv.k[layer].as_cpu_mut();
+        let (kc, vc) = (kv.k[layer].as_cpu_mut(), kv.v[layer].as_cpu_mut());
         for s in 0..nseq {
             let table = &b.block_tables[s * b.block_table_stride..];
             for r in b.seq_starts[s] as usize..b.seq_starts[s + 1] as usize {
                 let pos = b.positions[r] as usize;
                 let slot = table[pos / bs] as usize * bs + pos % bs;
-                let src = &qkv[r * width + n_heads * hd..r * width + n_heads * hd + kvw];
-                kc[slot * kvw..(slot + 1) * kvw].copy_from_slice(src);
-            }
-        }
-        let vc = kv.v[layer].as_cpu_mut();
-        for s in 0..nseq {
-            let table = &b.block_tables[s * b.block_table_stride..];
-            for r in b.seq_starts[s] as usize..b.seq_starts[s + 1] as usize {
-                let pos = b.positions[r] as usize;
-                let slot = table[pos / bs] as usize * bs + pos % bs;
-                let off = r * width + n_heads * hd + kvw;
-                vc[slot * kvw..(slot + 1) * kvw].copy_from_slice(&qkv[off..off + kvw]);
+                let k_off = r * width + n_heads * hd;
+                kc[slot * kvw..(slot + 1) * kvw].copy_from_slice(&qkv[k_off..k_off + kvw]);
+                vc[slot * kvw..(slot + 1) * kvw].copy_from_slice(&qkv[k_off + kvw..k_off + 2 * kvw]);
             }
         }
     }
