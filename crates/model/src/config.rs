@@ -74,7 +74,10 @@ impl ModelConfig {
         let num_heads = req("num_attention_heads")?;
         let num_kv_heads = v["num_key_value_heads"].as_u64().map(|x| x as usize).unwrap_or(num_heads);
         let head_dim = v["head_dim"].as_u64().map(|x| x as usize).unwrap_or(hidden / num_heads.max(1));
-        let rope_scaling = match v.get("rope_scaling") {
+        // transformers ≥ 5 writes `rope_parameters` (type, theta and scaling in one object);
+        // earlier versions `rope_theta` plus an optional `rope_scaling`.
+        let rope_params = v.get("rope_parameters").filter(|p| p.is_object());
+        let rope_scaling = match rope_params.or_else(|| v.get("rope_scaling")) {
             Some(Value::Object(o)) => {
                 let ty = o.get("rope_type").or_else(|| o.get("type")).and_then(|t| t.as_str()).unwrap_or("");
                 let f = |k: &str| -> Result<f64> { o.get(k).and_then(|x| x.as_f64()).with_context(|| format!("rope_scaling: missing `{k}`")) };
@@ -102,7 +105,7 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             rms_norm_eps: v["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
-            rope_theta: v["rope_theta"].as_f64().unwrap_or(10000.0),
+            rope_theta: v["rope_theta"].as_f64().or_else(|| rope_params.and_then(|p| p["rope_theta"].as_f64())).unwrap_or(10000.0),
             rope_scaling,
             max_position_embeddings: v["max_position_embeddings"].as_u64().unwrap_or(4096) as usize,
             tie_word_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
@@ -208,5 +211,38 @@ impl ModelConfig {
             }
         }
         inv
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> Value {
+        json!({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    }
+
+    /// transformers 4.x: top-level `rope_theta` and `rope_scaling`; 5.x: one `rope_parameters`.
+    #[test]
+    fn rope_settings_from_both_config_generations() {
+        let mut v4 = base();
+        v4["rope_theta"] = json!(500000.0);
+        v4["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        let mut v5 = base();
+        v5["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        let (a, b) = (ModelConfig::from_hf_json(&v4).unwrap(), ModelConfig::from_hf_json(&v5).unwrap());
+        assert_eq!(a.rope_theta, 500000.0);
+        assert_eq!(b.rope_theta, 500000.0);
+        assert!(matches!(b.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0));
+        assert_eq!(a.rope_inv_freq(), b.rope_inv_freq());
+
+        let mut plain = base();
+        plain["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 1e6});
+        let c = ModelConfig::from_hf_json(&plain).unwrap();
+        assert_eq!(c.rope_theta, 1e6);
+        assert!(c.rope_scaling.is_none());
+        assert_eq!(ModelConfig::from_hf_json(&base()).unwrap().rope_theta, 10000.0);
     }
 }
