@@ -94,17 +94,17 @@ pub fn tiny_model(tokenizer_gguf: &Path, seed: u64) -> Result<LoadedModel> {
     let mut layers = Vec::new();
     for _ in 0..config.num_layers {
         layers.push(LayerWeights {
-            attn_norm: vec![1.0; h],
+            attn_norm: device.tensor_from(&vec![1.0; h]),
             qkv: w(q + 2 * kv, h, 1.0 / (h as f32).sqrt()),
             qkv_bias: None,
             o: w(h, q, 1.0 / (q as f32).sqrt()),
-            mlp_norm: vec![1.0; h],
+            mlp_norm: device.tensor_from(&vec![1.0; h]),
             gate_up: w(2 * i, h, 1.0 / (h as f32).sqrt()),
             down: w(h, i, 1.0 / (i as f32).sqrt()),
         });
     }
     let embed = w(vocab, h, 1.0);
-    let rope = LlamaModel::build_rope(&config);
-    let model = LlamaModel { config, device: device.clone(), embed, layers, final_norm: vec![1.0; h], lm_head: None, rope };
+    let rope = LlamaModel::build_rope(&config, &*device);
+    let model = LlamaModel { config, device: device.clone(), embed, layers, final_norm: device.tensor_from(&vec![1.0; h]), lm_head: None, rope };
     Ok(LoadedModel { model, tokenizer, path: PathBuf::from("tiny-random") })
 }

@@ -9,6 +9,8 @@
 //! (PyTorch order) so `y = x · Wᵀ`. Computation accumulates in f32 whatever the weight dtype.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use std::fmt;
 use std::sync::Arc;
@@ -64,6 +66,8 @@ impl std::str::FromStr for DType {
 /// Device memory behind a tensor.
 pub enum Storage {
     Cpu(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::DevBuf),
 }
 
 /// A flat f32 activation buffer on some device. Shape bookkeeping is the caller's: ops take
@@ -83,19 +87,33 @@ impl Tensor {
     pub fn capacity(&self) -> usize {
         match &self.storage {
             Storage::Cpu(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(b) => b.bytes() / 4,
         }
+    }
+    /// True when the data lives in host memory (so [`Tensor::as_cpu`] works).
+    pub fn is_host(&self) -> bool {
+        matches!(self.storage, Storage::Cpu(_))
     }
     /// Host view. Panics on device storage: callers that need host data on any device go
     /// through [`Device::to_host`].
     pub fn as_cpu(&self) -> &[f32] {
         match &self.storage {
             Storage::Cpu(v) => v,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => panic!("host view of a CUDA tensor (copy it with Device::to_host)"),
         }
     }
     pub fn as_cpu_mut(&mut self) -> &mut [f32] {
         match &mut self.storage {
             Storage::Cpu(v) => v,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => panic!("host view of a CUDA tensor (copy it with Device::to_host)"),
         }
+    }
+    #[cfg(feature = "cuda")]
+    pub fn from_cuda(buf: cuda::DevBuf) -> Self {
+        Tensor { storage: Storage::Cuda(buf) }
     }
     pub fn storage(&self) -> &Storage {
         &self.storage
@@ -106,6 +124,9 @@ impl Tensor {
 pub enum WeightData {
     F32(Vec<f32>),
     Bf16(Vec<half::bf16>),
+    /// In device memory, in the given dtype.
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::DevBuf, DType),
 }
 
 /// A `[rows, cols]` = `[out, in]` matrix (or an embedding table `[vocab, hidden]`).
@@ -128,15 +149,19 @@ impl Weight {
         match self.data {
             WeightData::F32(_) => DType::F32,
             WeightData::Bf16(_) => DType::Bf16,
+            #[cfg(feature = "cuda")]
+            WeightData::Cuda(_, d) => d,
         }
     }
     pub fn size_bytes(&self) -> usize {
         match &self.data {
             WeightData::F32(v) => v.len() * 4,
             WeightData::Bf16(v) => v.len() * 2,
+            #[cfg(feature = "cuda")]
+            WeightData::Cuda(b, _) => b.bytes(),
         }
     }
-    /// Row `r` converted to f32 into `out` (len `cols`).
+    /// Row `r` converted to f32 into `out` (len `cols`). Host weights only.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         let c = self.cols;
         match &self.data {
@@ -146,6 +171,8 @@ impl Weight {
                     *o = x.to_f32();
                 }
             }
+            #[cfg(feature = "cuda")]
+            WeightData::Cuda(..) => panic!("row_f32 of a weight in device memory"),
         }
     }
 }
@@ -166,8 +193,10 @@ impl KvLayout {
     pub fn layer_len(&self) -> usize {
         self.num_blocks * self.block_size * self.n_kv_heads * self.head_dim
     }
-    pub fn bytes_per_block(&self) -> usize {
-        2 * self.num_layers * self.block_size * self.n_kv_heads * self.head_dim * 4
+    /// Bytes of one block (K and V, every layer) at `elem_bytes` per element (4 on CPU, 2 for
+    /// the bf16 cache of CUDA: see [`Device::kv_elem_bytes`]).
+    pub fn bytes_per_block(&self, elem_bytes: usize) -> usize {
+        2 * self.num_layers * self.block_size * self.n_kv_heads * self.head_dim * elem_bytes
     }
 }
 
@@ -193,14 +222,15 @@ pub struct AttnBatch<'a> {
     pub block_table_stride: usize,
 }
 
-/// Rotary position embedding tables (cos/sin per position and frequency), precomputed once.
+/// Rotary position embedding tables (cos/sin per position and frequency), precomputed once on
+/// the host and kept on the device that applies them.
 pub struct RopeTable {
     pub head_dim: usize,
     pub rotary_dim: usize,
     pub max_pos: usize,
     /// `[max_pos, rotary_dim/2]`
-    pub cos: Vec<f32>,
-    pub sin: Vec<f32>,
+    pub cos: Tensor,
+    pub sin: Tensor,
 }
 
 /// The ops a model needs. One implementation per device; the model holds `Arc<dyn Device>`.
@@ -213,19 +243,42 @@ pub trait Device: Send + Sync {
     fn to_host(&self, t: &Tensor, len: usize, out: &mut [f32]);
     /// Copy host data into the start of `t`.
     fn upload(&self, data: &[f32], t: &mut Tensor);
+    /// A new tensor holding `data` (norm weights, biases, rope tables: small vectors the ops read).
+    fn tensor_from(&self, data: &[f32]) -> Tensor {
+        let mut t = self.alloc(data.len());
+        self.upload(data, &mut t);
+        t
+    }
     /// Move weights onto the device (identity on CPU).
     fn load_weight(&self, w: Weight) -> Weight {
         w
     }
+    /// Bytes per K/V element in the caches this device allocates.
+    fn kv_elem_bytes(&self) -> usize {
+        4
+    }
+    /// Called once per forward step before any op, with every host-side metadata slice the
+    /// step's ops will receive. A device with its own memory copies them over in one transfer
+    /// and serves later ops from that copy; the CPU reads the slices where they are.
+    fn stage_batch(&self, _ids: &[u32], _batch: &AttnBatch<'_>, _logits_rows: &[u32]) {}
+    /// Runs `body`: every op of one forward step between [`Device::stage_batch`] and the
+    /// final copy to host, over `rows` token rows. `shape` identifies everything that fixes the
+    /// step's launches (row and sequence layout, logits rows); steps with equal shapes differ only
+    /// in the staged data. A device may record the ops the first time it meets a shape and replay
+    /// the recording afterwards (CUDA graphs). `None` asks for eager execution, e.g. when a hook
+    /// inside the step copies through the host.
+    fn run_step(&self, _rows: usize, _shape: Option<u64>, body: &mut dyn FnMut()) {
+        body()
+    }
 
     /// `y[m, n] = x[m, k] · W[n, k]ᵀ (+ bias[n])`.
-    fn matmul(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Tensor);
+    fn matmul(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor);
     /// `out[t] = table[ids[t]]` for an embedding table `[vocab, hidden]`.
     fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor);
     /// `out = rmsnorm(x) * w` row-wise over `rows × dim`.
-    fn rms_norm(&self, x: &Tensor, w: &[f32], eps: f32, rows: usize, dim: usize, out: &mut Tensor);
+    fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor);
     /// `resid += delta` then `out = rmsnorm(resid) * w`.
-    fn add_rms_norm(&self, resid: &mut Tensor, delta: &Tensor, w: &[f32], eps: f32, rows: usize, dim: usize, out: &mut Tensor);
+    fn add_rms_norm(&self, resid: &mut Tensor, delta: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor);
     /// `resid += delta` over `len` floats.
     fn add_inplace(&self, resid: &mut Tensor, delta: &Tensor, len: usize);
     /// Rotate-half RoPE applied in place to the q and k parts of a fused `[rows, q+k+v]` buffer.
@@ -253,6 +306,9 @@ pub trait Device: Send + Sync {
 pub fn open_device(kind: DeviceKind) -> anyhow::Result<Arc<dyn Device>> {
     match kind {
         DeviceKind::Cpu => Ok(Arc::new(cpu::CpuDevice::new())),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda(ordinal) => Ok(Arc::new(cuda::CudaDevice::new(ordinal)?)),
+        #[cfg(not(feature = "cuda"))]
         DeviceKind::Cuda(_) => anyhow::bail!(
             "device {kind} requested but this build has no CUDA support (rebuild with `--features cuda`)"
         ),

@@ -52,7 +52,7 @@ pub use manager::{BatchHook, LoraConfig, LoraManager};
 pub use mem_pool::LoraMemoryPool;
 pub use registry::{AdapterId, AdapterKey, AdapterInfo};
 
-use quiver_kernels::Tensor;
+use quiver_kernels::{Device, Tensor};
 
 /// A linear site of a Llama-family layer. q/k/v and gate/up are fused in the base model, so
 /// their LoRA deltas are fused multi-slice expands (3 and 2 slices).
@@ -126,15 +126,18 @@ pub struct LoraModelDims {
 
 /// The seam between the forward pass and LoRA. `m` rows of the batch are processed; which
 /// adapter each row uses is the implementor's business (it was prepared for this batch).
+///
+/// `dev` is the device holding the tensors: a hook whose kernels cannot read that device's
+/// memory directly goes through it to copy.
 pub trait LoraHook: Sync {
     /// `y[r, :] += Δ_site(x[r, :])` for every row `r < m` whose adapter targets this site.
     /// `x` is the linear's input `[m, in]`, `y` its fused base output `[m, out]`.
-    fn linear(&self, layer: usize, site: LinearSite, x: &Tensor, m: usize, y: &mut Tensor);
+    fn linear(&self, dev: &dyn Device, layer: usize, site: LinearSite, x: &Tensor, m: usize, y: &mut Tensor);
     /// `out[r, :] += Δ_embed(ids[r])` for rows whose adapter has `embed_tokens` LoRA.
-    fn embedding(&self, ids: &[u32], out: &mut Tensor);
+    fn embedding(&self, dev: &dyn Device, ids: &[u32], out: &mut Tensor);
     /// LM head on pruned rows: `x` is `[rows.len(), hidden]` (final-normed hidden states of the
     /// token rows listed in `rows`), `logits` is `[rows.len(), vocab]`.
-    fn lm_head(&self, x: &Tensor, rows: &[u32], logits: &mut Tensor);
+    fn lm_head(&self, dev: &dyn Device, x: &Tensor, rows: &[u32], logits: &mut Tensor);
     /// False when no row of this batch has an adapter, so the model may skip every call.
     fn is_active(&self) -> bool;
 }
@@ -143,9 +146,9 @@ pub trait LoraHook: Sync {
 pub struct NoLora;
 
 impl LoraHook for NoLora {
-    fn linear(&self, _: usize, _: LinearSite, _: &Tensor, _: usize, _: &mut Tensor) {}
-    fn embedding(&self, _: &[u32], _: &mut Tensor) {}
-    fn lm_head(&self, _: &Tensor, _: &[u32], _: &mut Tensor) {}
+    fn linear(&self, _: &dyn Device, _: usize, _: LinearSite, _: &Tensor, _: usize, _: &mut Tensor) {}
+    fn embedding(&self, _: &dyn Device, _: &[u32], _: &mut Tensor) {}
+    fn lm_head(&self, _: &dyn Device, _: &Tensor, _: &[u32], _: &mut Tensor) {}
     fn is_active(&self) -> bool {
         false
     }

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use quiver_kernels::{DeviceKind, Tensor};
+use quiver_kernels::{Device, DeviceKind, Tensor};
 
 use crate::backend::{create_backend, LoraBackend, LoraInput, Scratch, DEFAULT_BACKEND};
 use crate::batch::{LoraBatchInfo, DEFAULT_CHUNK_SIZE};
@@ -61,6 +61,9 @@ pub struct LoraManager {
     backend: Box<dyn LoraBackend>,
     batch: LoraBatchInfo,
     scratch: Mutex<Scratch>,
+    /// Host copies of a site's input and output when the model's tensors live on a device
+    /// (the CUDA stop-gap: see [`BatchHook`]).
+    staging: Mutex<HostStaging>,
     batch_keys: Vec<AdapterKey>,
     seq_slots: Vec<Option<u32>>,
 }
@@ -88,6 +91,7 @@ impl LoraManager {
             batch: LoraBatchInfo::with_capacity(s, config.max_batch_tokens, config.chunk_size),
             registry: LoraRegistry::new(config.max_loaded_loras),
             scratch: Mutex::new(scratch),
+            staging: Mutex::new(HostStaging::default()),
             batch_keys: Vec::with_capacity(s + 1),
             seq_slots: Vec::with_capacity(config.max_batch_tokens),
             dims,
@@ -299,7 +303,7 @@ impl LoraManager {
         }
         let pool = &self.pool;
         self.batch.build(&self.seq_slots, seq_starts, logits_rows, |s| pool.slot_max_rank(s))?;
-        Ok(BatchHook { pool: &self.pool, info: &self.batch, backend: &*self.backend, scratch: &self.scratch })
+        Ok(BatchHook { pool: &self.pool, info: &self.batch, backend: &*self.backend, scratch: &self.scratch, staging: &self.staging })
     }
 
     /// The metadata of the last prepared batch.
@@ -362,12 +366,25 @@ impl LoraManager {
     }
 }
 
+/// Host buffers for staging device tensors through the CPU backends; they only grow.
+#[derive(Default)]
+struct HostStaging {
+    x: Vec<f32>,
+    y: Vec<f32>,
+}
+
 /// The [`LoraHook`] of one prepared batch.
+///
+/// When the model's activations live in device memory (CUDA), each call copies the site's input
+/// and output rows to host, applies the deltas with the CPU backend and uploads the output
+/// again. That is correct for every backend and adapter shape but costs two transfers per
+/// site; it stands in until LoRA kernels run on the GPU itself.
 pub struct BatchHook<'a> {
     pool: &'a LoraMemoryPool,
     info: &'a LoraBatchInfo,
     backend: &'a dyn LoraBackend,
     scratch: &'a Mutex<Scratch>,
+    staging: &'a Mutex<HostStaging>,
 }
 
 impl BatchHook<'_> {
@@ -379,38 +396,61 @@ impl BatchHook<'_> {
         // working memory), so a poisoned lock is still usable.
         self.scratch.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Runs `f(x_host, y_host)` on host views of `x[..x_len]` (absent when `x` is None) and
+    /// `y[..y_len]`, copying through `dev` when the tensors are not in host memory.
+    fn on_host(&self, dev: &dyn Device, x: Option<(&Tensor, usize)>, y: &mut Tensor, y_len: usize, f: impl FnOnce(&[f32], &mut [f32])) {
+        if y.is_host() {
+            let xs = x.map(|(t, n)| &t.as_cpu()[..n]).unwrap_or(&[]);
+            return f(xs, &mut y.as_cpu_mut()[..y_len]);
+        }
+        let mut st = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let HostStaging { x: xb, y: yb } = &mut *st;
+        let x_len = x.map(|(_, n)| n).unwrap_or(0);
+        crate::backend::ensure(xb, x_len);
+        crate::backend::ensure(yb, y_len);
+        if let Some((t, n)) = x {
+            dev.to_host(t, n, &mut xb[..n]);
+        }
+        dev.to_host(y, y_len, &mut yb[..y_len]);
+        f(&xb[..x_len], &mut yb[..y_len]);
+        dev.upload(&yb[..y_len], y);
+    }
 }
 
 impl LoraHook for BatchHook<'_> {
-    fn linear(&self, layer: usize, site: LinearSite, x: &Tensor, m: usize, y: &mut Tensor) {
+    fn linear(&self, dev: &dyn Device, layer: usize, site: LinearSite, x: &Tensor, m: usize, y: &mut Tensor) {
         if !self.info.is_active() {
             return;
         }
         let Some(view) = self.pool.site_view(layer, site) else { return };
         assert_eq!(m, self.info.tokens.rows(), "LoRA hook called with {m} rows but the batch was prepared for {}", self.info.tokens.rows());
-        let y = &mut y.as_cpu_mut()[..m * view.out_dim];
-        self.backend.apply(&view, &self.info.tokens, LoraInput::Dense(&x.as_cpu()[..m * view.in_dim]), y, &mut self.scratch());
+        self.on_host(dev, Some((x, m * view.in_dim)), y, m * view.out_dim, |xs, ys| {
+            self.backend.apply(&view, &self.info.tokens, LoraInput::Dense(xs), ys, &mut self.scratch())
+        });
     }
 
-    fn embedding(&self, ids: &[u32], out: &mut Tensor) {
+    fn embedding(&self, dev: &dyn Device, ids: &[u32], out: &mut Tensor) {
         if !self.info.is_active() {
             return;
         }
         let Some(view) = self.pool.embedding_view() else { return };
         assert_eq!(ids.len(), self.info.tokens.rows(), "LoRA embedding hook: ids do not match the prepared batch");
-        let y = &mut out.as_cpu_mut()[..ids.len() * view.out_dim];
-        self.backend.apply(&view, &self.info.tokens, LoraInput::TokenIds(ids), y, &mut self.scratch());
+        self.on_host(dev, None, out, ids.len() * view.out_dim, |_, ys| {
+            self.backend.apply(&view, &self.info.tokens, LoraInput::TokenIds(ids), ys, &mut self.scratch())
+        });
     }
 
-    fn lm_head(&self, x: &Tensor, rows: &[u32], logits: &mut Tensor) {
+    fn lm_head(&self, dev: &dyn Device, x: &Tensor, rows: &[u32], logits: &mut Tensor) {
         if self.info.logits.adapter_rows == 0 {
             return;
         }
         let Some(view) = self.pool.lm_head_view() else { return };
         assert_eq!(rows, &self.info.logits_rows[..], "LoRA lm_head hook: rows differ from the prepared logits rows");
         let n = rows.len();
-        let y = &mut logits.as_cpu_mut()[..n * view.out_dim];
-        self.backend.apply(&view, &self.info.logits, LoraInput::Dense(&x.as_cpu()[..n * view.in_dim]), y, &mut self.scratch());
+        self.on_host(dev, Some((x, n * view.in_dim)), logits, n * view.out_dim, |xs, ys| {
+            self.backend.apply(&view, &self.info.logits, LoraInput::Dense(xs), ys, &mut self.scratch())
+        });
     }
 
     fn is_active(&self) -> bool {

@@ -217,7 +217,7 @@ fn batch_hook_touches_only_adapter_rows() {
     let out = DIMS.q_out + 2 * DIMS.kv_out;
     let x = quiver_kernels::Tensor::cpu((0..6 * DIMS.hidden).map(|i| (i as f32 * 0.37).sin()).collect());
     let mut y = quiver_kernels::Tensor::zeros_cpu(6 * out);
-    hook.linear(1, LinearSite::Qkv, &x, 6, &mut y);
+    hook.linear(&quiver_kernels::cpu::CpuDevice::new(), 1, LinearSite::Qkv, &x, 6, &mut y);
     let y = y.as_cpu();
     for r in 0..6 {
         let touched = y[r * out..(r + 1) * out].iter().any(|&v| v != 0.0);
@@ -225,7 +225,7 @@ fn batch_hook_touches_only_adapter_rows() {
     }
     let x = quiver_kernels::Tensor::cpu((0..3 * DIMS.hidden).map(|i| (i as f32 * 0.11).cos()).collect());
     let mut logits = quiver_kernels::Tensor::zeros_cpu(3 * DIMS.vocab);
-    hook.lm_head(&x, &[1, 4, 5], &mut logits);
+    hook.lm_head(&quiver_kernels::cpu::CpuDevice::new(), &x, &[1, 4, 5], &mut logits);
     let l = logits.as_cpu();
     assert!(l[..DIMS.vocab].iter().all(|&v| v == 0.0));
     assert!(l[DIMS.vocab..2 * DIMS.vocab].iter().any(|&v| v != 0.0));

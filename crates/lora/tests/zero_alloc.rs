@@ -56,13 +56,13 @@ fn steady_state_steps_do_not_allocate() {
         let mut step = |m: &mut LoraManager, (seqs, starts, logits): &(Vec<Option<quiver_lora::AdapterKey>>, Vec<u32>, Vec<u32>)| {
             let hook = m.prepare_batch(seqs, starts, logits).unwrap();
             let rows = *starts.last().unwrap() as usize;
-            hook.embedding(&ids[..rows], &mut y);
+            hook.embedding(&quiver_kernels::cpu::CpuDevice::new(), &ids[..rows], &mut y);
             for l in 0..DIMS.num_layers {
                 for s in LinearSite::ALL {
-                    hook.linear(l, s, &x, rows, &mut y);
+                    hook.linear(&quiver_kernels::cpu::CpuDevice::new(), l, s, &x, rows, &mut y);
                 }
             }
-            hook.lm_head(&x, logits, &mut y);
+            hook.lm_head(&quiver_kernels::cpu::CpuDevice::new(), &x, logits, &mut y);
         };
         for _ in 0..3 {
             step(&mut m, &prefill);

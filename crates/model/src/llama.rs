@@ -12,12 +12,12 @@ use quiver_lora::{LinearSite, LoraHook, LoraModelDims};
 use std::sync::Arc;
 
 pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,
+    pub attn_norm: Tensor,
     /// `[q_out + 2·kv_out, hidden]`
     pub qkv: Weight,
-    pub qkv_bias: Option<Vec<f32>>,
+    pub qkv_bias: Option<Tensor>,
     pub o: Weight,
-    pub mlp_norm: Vec<f32>,
+    pub mlp_norm: Tensor,
     /// `[2·intermediate, hidden]`, gate rows first.
     pub gate_up: Weight,
     pub down: Weight,
@@ -28,7 +28,7 @@ pub struct LlamaModel {
     pub device: Arc<dyn Device>,
     pub embed: Weight,
     pub layers: Vec<LayerWeights>,
-    pub final_norm: Vec<f32>,
+    pub final_norm: Tensor,
     /// `None` when tied to the embedding.
     pub lm_head: Option<Weight>,
     pub rope: RopeTable,
@@ -59,7 +59,7 @@ impl LlamaModel {
         LoraModelDims { num_layers: c.num_layers, hidden: c.hidden_size, q_out: c.q_out(), kv_out: c.kv_out(), intermediate: c.intermediate_size, vocab: c.vocab_size }
     }
 
-    pub fn build_rope(config: &ModelConfig) -> RopeTable {
+    pub fn build_rope(config: &ModelConfig, device: &dyn Device) -> RopeTable {
         let inv = config.rope_inv_freq();
         let half = inv.len();
         let max_pos = config.max_position_embeddings.clamp(1, 1 << 17);
@@ -73,7 +73,7 @@ impl LlamaModel {
                 sin.push(a.sin() as f32);
             }
         }
-        RopeTable { head_dim: config.head_dim, rotary_dim: config.head_dim, max_pos, cos, sin }
+        RopeTable { head_dim: config.head_dim, rotary_dim: config.head_dim, max_pos, cos: device.tensor_from(&cos), sin: device.tensor_from(&sin) }
     }
 
     /// A paged KV store for this model on its device.
@@ -84,23 +84,23 @@ impl LlamaModel {
 
     pub fn kv_bytes_per_block(&self, block_size: usize) -> usize {
         let c = &self.config;
-        KvLayout { num_layers: c.num_layers, num_blocks: 1, block_size, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim }.bytes_per_block()
+        KvLayout { num_layers: c.num_layers, num_blocks: 1, block_size, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim }.bytes_per_block(self.device.kv_elem_bytes())
     }
 
     pub fn new_workspace(&self, max_tokens: usize, max_logit_rows: usize) -> Workspace {
         let mut ws = Workspace {
             max_tokens: 0,
             max_logit_rows: 0,
-            x: Tensor::zeros_cpu(0),
-            xn: Tensor::zeros_cpu(0),
-            qkv: Tensor::zeros_cpu(0),
-            attn: Tensor::zeros_cpu(0),
-            delta: Tensor::zeros_cpu(0),
-            gate_up: Tensor::zeros_cpu(0),
-            act: Tensor::zeros_cpu(0),
-            last: Tensor::zeros_cpu(0),
-            last_n: Tensor::zeros_cpu(0),
-            logits: Tensor::zeros_cpu(0),
+            x: self.device.alloc(0),
+            xn: self.device.alloc(0),
+            qkv: self.device.alloc(0),
+            attn: self.device.alloc(0),
+            delta: self.device.alloc(0),
+            gate_up: self.device.alloc(0),
+            act: self.device.alloc(0),
+            last: self.device.alloc(0),
+            last_n: self.device.alloc(0),
+            logits: self.device.alloc(0),
             host_logits: Vec::new(),
         };
         self.ensure_workspace(&mut ws, max_tokens, max_logit_rows);
@@ -150,49 +150,58 @@ impl LlamaModel {
             block_table_stride: batch.block_table_stride,
         };
         let scale = 1.0 / (c.head_dim as f32).sqrt();
+        d.stage_batch(&batch.tokens, &attn_batch, &batch.logits_rows);
 
-        d.embedding(&self.embed, &batch.tokens, &mut ws.x);
-        if lora_on {
-            lora.embedding(&batch.tokens, &mut ws.x);
-        }
-        for (li, l) in self.layers.iter().enumerate() {
-            if li == 0 {
-                d.rms_norm(&ws.x, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
-            } else {
-                d.add_rms_norm(&mut ws.x, &ws.delta, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
-            }
-            d.matmul(&ws.xn, m, &l.qkv, l.qkv_bias.as_deref(), &mut ws.qkv);
+        // Launches depend only on the batch's layout, so equal layouts may replay a recording
+        // (CUDA graphs). Host-staged LoRA copies mid-step, so it always runs eagerly.
+        let shape = (!lora_on).then(|| batch.shape_key());
+        d.run_step(m, shape, &mut || {
+            d.embedding(&self.embed, &batch.tokens, &mut ws.x);
             if lora_on {
-                lora.linear(li, LinearSite::Qkv, &ws.xn, m, &mut ws.qkv);
+                lora.embedding(d, &batch.tokens, &mut ws.x);
             }
-            d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
-            d.paged_attention(&ws.qkv, &attn_batch, kv, li, c.num_heads, scale, &mut ws.attn);
-            d.matmul(&ws.attn, m, &l.o, None, &mut ws.delta);
+            for (li, l) in self.layers.iter().enumerate() {
+                if li == 0 {
+                    d.rms_norm(&ws.x, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
+                } else {
+                    d.add_rms_norm(&mut ws.x, &ws.delta, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
+                }
+                d.matmul(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), &mut ws.qkv);
+                if lora_on {
+                    lora.linear(d, li, LinearSite::Qkv, &ws.xn, m, &mut ws.qkv);
+                }
+                d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
+                d.paged_attention(&ws.qkv, &attn_batch, kv, li, c.num_heads, scale, &mut ws.attn);
+                d.matmul(&ws.attn, m, &l.o, None, &mut ws.delta);
+                if lora_on {
+                    lora.linear(d, li, LinearSite::O, &ws.attn, m, &mut ws.delta);
+                }
+                d.add_rms_norm(&mut ws.x, &ws.delta, &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
+                d.matmul(&ws.xn, m, &l.gate_up, None, &mut ws.gate_up);
+                if lora_on {
+                    lora.linear(d, li, LinearSite::GateUp, &ws.xn, m, &mut ws.gate_up);
+                }
+                d.silu_mul(&ws.gate_up, m, inter, &mut ws.act);
+                d.matmul(&ws.act, m, &l.down, None, &mut ws.delta);
+                if lora_on {
+                    lora.linear(d, li, LinearSite::Down, &ws.act, m, &mut ws.delta);
+                }
+            }
+            d.add_inplace(&mut ws.x, &ws.delta, m * h);
+            if nl == 0 {
+                return;
+            }
+            // Only the rows that need logits go through the final norm and the LM head.
+            d.gather_rows(&ws.x, &batch.logits_rows, h, &mut ws.last);
+            d.rms_norm(&ws.last, &self.final_norm, c.rms_norm_eps, nl, h, &mut ws.last_n);
+            let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+            d.matmul(&ws.last_n, nl, head, None, &mut ws.logits);
             if lora_on {
-                lora.linear(li, LinearSite::O, &ws.attn, m, &mut ws.delta);
+                lora.lm_head(d, &ws.last_n, &batch.logits_rows, &mut ws.logits);
             }
-            d.add_rms_norm(&mut ws.x, &ws.delta, &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
-            d.matmul(&ws.xn, m, &l.gate_up, None, &mut ws.gate_up);
-            if lora_on {
-                lora.linear(li, LinearSite::GateUp, &ws.xn, m, &mut ws.gate_up);
-            }
-            d.silu_mul(&ws.gate_up, m, inter, &mut ws.act);
-            d.matmul(&ws.act, m, &l.down, None, &mut ws.delta);
-            if lora_on {
-                lora.linear(li, LinearSite::Down, &ws.act, m, &mut ws.delta);
-            }
-        }
-        d.add_inplace(&mut ws.x, &ws.delta, m * h);
+        });
         if nl == 0 {
             return &ws.host_logits[..0];
-        }
-        // Only the rows that need logits go through the final norm and the LM head.
-        d.gather_rows(&ws.x, &batch.logits_rows, h, &mut ws.last);
-        d.rms_norm(&ws.last, &self.final_norm, c.rms_norm_eps, nl, h, &mut ws.last_n);
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        d.matmul(&ws.last_n, nl, head, None, &mut ws.logits);
-        if lora_on {
-            lora.lm_head(&ws.last_n, &batch.logits_rows, &mut ws.logits);
         }
         let n = nl * c.vocab_size;
         d.to_host(&ws.logits, n, &mut ws.host_logits[..n]);

@@ -151,23 +151,23 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
             }
             bq.extend(bk);
             bq.extend(b("v", kv)?);
-            Some(bq)
+            Some(device.tensor_from(&bq))
         } else {
             None
         };
         let mut gate_up = l("gate", &[inter, h])?;
         gate_up.extend(l("up", &[inter, h])?);
         layers.push(LayerWeights {
-            attn_norm: l("attn_norm", &[h])?,
+            attn_norm: device.tensor_from(&l("attn_norm", &[h])?),
             qkv: wt(q + 2 * kv, h, qkv),
             qkv_bias,
             o: wt(h, q, l("o", &[h, q])?),
-            mlp_norm: l("mlp_norm", &[h])?,
+            mlp_norm: device.tensor_from(&l("mlp_norm", &[h])?),
             gate_up: wt(2 * inter, h, gate_up),
             down: wt(h, inter, l("down", &[h, inter])?),
         });
     }
-    let final_norm = load(src, names.final_norm(), &[h])?;
+    let final_norm = device.tensor_from(&load(src, names.final_norm(), &[h])?);
     let lm_head = if src.contains(names.lm_head()) && !(c.tie_word_embeddings && matches!(names, Names::Hf)) {
         Some(wt(c.vocab_size, h, load(src, names.lm_head(), &[c.vocab_size, h])?))
     } else if c.tie_word_embeddings {
@@ -175,6 +175,6 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
     } else {
         return Err(FormatError::tensor(src.path(), names.lm_head(), "missing (the config says embeddings are not tied)").into());
     };
-    let rope = LlamaModel::build_rope(c);
+    let rope = LlamaModel::build_rope(c, &*device);
     Ok(LlamaModel { config, device, embed, layers, final_norm, lm_head, rope })
 }

@@ -49,15 +49,18 @@ impl Device for CpuDevice {
         t.as_cpu_mut()[..data.len()].copy_from_slice(data);
     }
 
-    fn matmul(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&[f32]>, y: &mut Tensor) {
+    fn matmul(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor) {
         let (k, n) = (w.cols, w.rows);
         let x = &x.as_cpu()[..m * k];
         let y = &mut y.as_cpu_mut()[..m * n];
         match &w.data {
             WeightData::F32(wd) => gemm::matmul_f32(x, m, k, wd, n, y, false),
             WeightData::Bf16(wd) => gemm::matmul_bf16(x, m, k, wd, n, y),
+            #[cfg(feature = "cuda")]
+            WeightData::Cuda(..) => panic!("CPU matmul given a weight in CUDA memory"),
         }
         if let Some(b) = bias {
+            let b = b.as_cpu();
             y.par_chunks_mut(n).for_each(|row| {
                 for (o, &bv) in row.iter_mut().zip(b) {
                     *o += bv;
@@ -72,8 +75,9 @@ impl Device for CpuDevice {
         out.par_chunks_mut(h).zip(ids.par_iter()).for_each(|(row, &id)| table.row_f32(id as usize, row));
     }
 
-    fn rms_norm(&self, x: &Tensor, w: &[f32], eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
+    fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
         let x = &x.as_cpu()[..rows * dim];
+        let w = &w.as_cpu()[..dim];
         let out = &mut out.as_cpu_mut()[..rows * dim];
         out.par_chunks_mut(dim * ROW_CHUNK).zip(x.par_chunks(dim * ROW_CHUNK)).for_each(|(o, xi)| {
             for (orow, xrow) in o.chunks_mut(dim).zip(xi.chunks(dim)) {
@@ -82,7 +86,8 @@ impl Device for CpuDevice {
         });
     }
 
-    fn add_rms_norm(&self, resid: &mut Tensor, delta: &Tensor, w: &[f32], eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
+    fn add_rms_norm(&self, resid: &mut Tensor, delta: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
+        let w = &w.as_cpu()[..dim];
         let r = &mut resid.as_cpu_mut()[..rows * dim];
         let d = &delta.as_cpu()[..rows * dim];
         let out = &mut out.as_cpu_mut()[..rows * dim];
@@ -116,8 +121,8 @@ impl Device for CpuDevice {
         let qkv = &mut qkv.as_cpu_mut()[..rows * width];
         qkv.par_chunks_mut(width).zip(positions.par_iter()).for_each(|(row, &pos)| {
             let pos = (pos as usize).min(t.max_pos - 1);
-            let cos = &t.cos[pos * half..(pos + 1) * half];
-            let sin = &t.sin[pos * half..(pos + 1) * half];
+            let cos = &t.cos.as_cpu()[pos * half..(pos + 1) * half];
+            let sin = &t.sin.as_cpu()[pos * half..(pos + 1) * half];
             // q heads then k heads are contiguous at the start of the fused row.
             for head in row[..(n_heads + n_kv_heads) * hd].chunks_mut(hd) {
                 let (a, b) = head[..t.rotary_dim].split_at_mut(half);

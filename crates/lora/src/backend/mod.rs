@@ -158,7 +158,10 @@ fn cpu_only(d: DeviceKind) -> bool {
 
 /// Every backend, in preference order; `auto` is the default.
 pub static BACKENDS: &[BackendSpec] = &[
-    BackendSpec { name: "auto", description: "per call: segmented for prefill-shaped batches, chunked for decode", supports: cpu_only, make: || Box::new(AutoBackend::default()) },
+    BackendSpec {
+        name: "auto",
+        description: "per call: segmented for prefill-shaped batches, chunked for decode (on CUDA, rows staged through host memory until GPU LoRA kernels land)",
+        supports: |_| true, make: || Box::new(AutoBackend::default()) },
     BackendSpec { name: "segmented", description: "one shrink and one expand GEMM per contiguous segment", supports: cpu_only, make: || Box::new(SegmentedBackend) },
     BackendSpec { name: "chunked", description: "rows grouped by adapter through a permutation, GEMM per chunk", supports: cpu_only, make: || Box::new(ChunkedBackend) },
     BackendSpec { name: "reference", description: "per-row loops; slow, the test oracle", supports: cpu_only, make: || Box::new(ReferenceBackend) },

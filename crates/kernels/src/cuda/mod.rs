@@ -1,0 +1,747 @@
+//! CUDA implementation of the device ops (cargo feature `cuda`).
+//!
+//! Everything is loaded at run time (cudarc's dynamic loading): the binary builds and runs on a
+//! machine without CUDA, where opening a CUDA device fails with a message naming the missing
+//! library. Our kernels (`kernels.cu`) are compiled by NVRTC for the GPU's architecture at start-up
+//! and the PTX is cached on disk, keyed by a hash of source and architecture. GEMMs go through
+//! cuBLAS (`cublasGemmEx`, bf16 or f32 operands, f32 accumulation and output).
+//!
+//! Invariants:
+//! - All work is queued on one stream owned by the device; host↔device copies of activations
+//!   happen only in `to_host` (logits) and `upload`. Per-step metadata (token ids, positions,
+//!   block tables, logits rows) reaches the GPU in one copy from [`Device::stage_batch`]; ops look
+//!   their slices up in that staged copy by address and length, and upload on the side only for a
+//!   slice that was not staged (correct, just slower).
+//! - Activations are f32 on the device; weights are bf16 (or f32 with `--dtype f32`); the KV cache
+//!   is bf16. A bf16 GEMM converts its f32 input to bf16 into a scratch buffer first.
+//! - Buffers never shrink; growing one frees the old buffer, which synchronizes the device, so no
+//!   queued kernel can still read it.
+
+mod blas;
+
+use crate::{AttnBatch, DType, Device, DeviceKind, KvLayout, KvStorage, RopeTable, Tensor, Weight, WeightData};
+use anyhow::{bail, Context, Result};
+use cudarc::driver::{result, sys, CudaContext, CudaModule};
+use std::ffi::c_void;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+const KERNELS_SRC: &str = include_str!("kernels.cu");
+
+/// Bumped by every device allocation: a recorded graph bakes in buffer addresses, so any
+/// allocation (a grown workspace, a new KV store) retires every recording.
+static ALLOC_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A plain device allocation (cuMemAlloc), freed on drop.
+pub struct DevBuf {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DevBuf {
+    fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DevBuf> {
+        ctx.bind_to_thread()?;
+        if bytes == 0 {
+            return Ok(DevBuf { ptr: 0, bytes: 0, ctx: ctx.clone() });
+        }
+        let ptr = unsafe { result::malloc_sync(bytes) }.with_context(|| format!("cuMemAlloc of {bytes} bytes"))?;
+        ALLOC_GENERATION.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        unsafe { result::memset_d8_sync(ptr, 0, bytes) }?;
+        Ok(DevBuf { ptr, bytes, ctx: ctx.clone() })
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.bytes > 0 && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_sync in this context and freed once.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+fn buf(t: &Tensor) -> u64 {
+    match t.storage() {
+        crate::Storage::Cuda(b) => b.ptr,
+        crate::Storage::Cpu(_) => panic!("CUDA op given a host tensor"),
+    }
+}
+
+struct Kernels {
+    f32_to_bf16: sys::CUfunction,
+    f32_to_bf16_split: sys::CUfunction,
+    add_bias: sys::CUfunction,
+    add_inplace: sys::CUfunction,
+    embedding_bf16: sys::CUfunction,
+    embedding_f32: sys::CUfunction,
+    gather_rows: sys::CUfunction,
+    rms_norm: sys::CUfunction,
+    add_rms_norm: sys::CUfunction,
+    rope_qk: sys::CUfunction,
+    silu_mul: sys::CUfunction,
+    kv_write: sys::CUfunction,
+    paged_attention: sys::CUfunction,
+    prefill_attention: sys::CUfunction,
+    /// `gemv_bf16[m - 1]` handles m rows.
+    gemv_bf16: [sys::CUfunction; GEMV_KERNELS],
+}
+
+/// Up to this many rows a bf16 GEMM runs as our GEMV (W streamed once, f32 input, bias fused)
+/// instead of a cuBLAS GEMM on bf16-converted input, and a step may be recorded as a CUDA graph.
+/// The kernel handles up to 8 rows, but on the H200 a 4-row step took 10.4 ms against 6.8 ms
+/// for a 16-row cuBLAS step (each warp re-reads the x rows per W load), so only single-row
+/// steps use it for now.
+const GEMV_MAX_M: usize = 1;
+/// Rows the GEMV kernels are instantiated for (`gemv_bf16_1..8` in kernels.cu).
+const GEMV_KERNELS: usize = 8;
+/// Query rows per block of the tiled prefill attention (`PQ` in kernels.cu).
+const PREFILL_ROWS: usize = 8;
+
+/// Where one staged host slice landed in the metadata buffer.
+#[derive(Clone, Copy, Default)]
+struct StagedSlice {
+    addr: usize,
+    len: usize,
+    offset: usize,
+}
+
+/// Mutable per-step state: staged metadata and scratch buffers.
+struct State {
+    host_meta: Vec<u32>,
+    meta: DevBuf,
+    staged: [StagedSlice; 6],
+    /// Offset of the row → sequence map derived from `seq_starts` at staging.
+    row_seq: Option<StagedSlice>,
+    /// Offset and count of the prefill-attention tiles (first row, rows, sequence) of the
+    /// staged batch; tiles never cross a sequence.
+    tiles: (usize, usize),
+    side: DevBuf,
+    xbf: DevBuf,
+}
+
+/// Optional per-op GPU timing (`QUIVER_CUDA_PROFILE=1`): an event is recorded on the stream
+/// after every op; at each host sync the intervals between consecutive events are charged to
+/// the op that ended them (launch gaps included, which is the point), and the totals are printed
+/// when the device is dropped. Off, it costs one branch per op.
+#[derive(Default)]
+struct Profiler {
+    pool: Vec<sys::CUevent>,
+    used: Vec<&'static str>,
+    totals: Vec<(&'static str, f64, u64)>,
+    /// Host time from the step's staging to its final copy being queued (issuing work), and
+    /// host time then spent waiting for the GPU: issue ≫ wait means the host is the bottleneck.
+    step_start: Option<std::time::Instant>,
+    issue_s: f64,
+    wait_s: f64,
+    steps: u64,
+}
+
+/// Recorded decode steps (CUDA graphs), by batch shape.
+#[derive(Default)]
+struct Graphs {
+    generation: u64,
+    execs: Vec<(u64, sys::CUgraphExec)>,
+    /// Set after a capture failed: every step then runs eagerly.
+    disabled: bool,
+}
+
+impl Graphs {
+    fn clear(&mut self) {
+        for (_, e) in self.execs.drain(..) {
+            // SAFETY: instantiated by us, destroyed once.
+            let _ = unsafe { result::graph::exec_destroy(e) };
+        }
+    }
+}
+
+/// Most shapes kept: decode batches of 1..=8 rows with a few logits layouts.
+const MAX_GRAPHS: usize = 64;
+
+pub struct CudaDevice {
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    stream: sys::CUstream,
+    blas: blas::Blas,
+    k: Kernels,
+    _module: Arc<CudaModule>,
+    state: Mutex<State>,
+    name: String,
+    profiler: Option<Mutex<Profiler>>,
+    /// `QUIVER_CUDA_SPLIT_GEMM=1`: cuBLAS GEMMs take their f32 input as a bf16 hi + lo pair
+    /// (two GEMMs) instead of one bf16 rounding: closer to f32, twice the GEMM work.
+    split_gemm: bool,
+    /// Replays of recorded steps; `None` when disabled (`QUIVER_CUDA_GRAPHS=0`, or profiling).
+    graphs: Option<Mutex<Graphs>>,
+}
+
+// SAFETY: the raw stream and function handles are used only under the device's discipline
+// (one stream, the context bound on every calling thread before use).
+unsafe impl Send for CudaDevice {}
+unsafe impl Sync for CudaDevice {}
+
+/// Launch `f` with the given arguments (each passed by value, in order).
+macro_rules! launch {
+    ($dev:expr, $f:expr, $grid:expr, $block:expr; $($arg:expr),* $(,)?) => {
+        launch!($dev, $f, $grid, $block, smem = 0; $($arg),*)
+    };
+    ($dev:expr, $f:expr, $grid:expr, $block:expr, smem = $smem:expr; $($arg:expr),* $(,)?) => {{
+        let dev: &CudaDevice = $dev;
+        let grid: (u32, u32, u32) = $grid;
+        let block: (u32, u32, u32) = $block;
+        // SAFETY: the arguments match the kernel's C signature (pointers as u64, int as i32,
+        // float as f32, long as i64), and every pointer is a live device buffer of this context.
+        let r = unsafe {
+            result::launch_kernel($f, grid, block, $smem, dev.stream, &mut [$(&mut { $arg } as *mut _ as *mut c_void),*])
+        };
+        if let Err(e) = r {
+            panic!("CUDA kernel launch failed on {}: {e:?}", dev.name);
+        }
+    }};
+}
+
+fn grid1(n: usize, threads: u32) -> (u32, u32, u32) {
+    ((n.div_ceil(threads as usize)).clamp(1, 65535 * 8) as u32, 1, 1)
+}
+
+fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("QUIVER_CACHE_DIR") {
+        return PathBuf::from(d).join("kernels");
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("quiver").join("kernels");
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    home.join(".cache").join("quiver").join("kernels")
+}
+
+fn fnv1a(data: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for &b in data {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// PTX for `arch`, from the disk cache or freshly compiled by NVRTC.
+fn kernels_ptx(arch: &str) -> Result<String> {
+    let key = fnv1a(format!("{arch}\n{KERNELS_SRC}").as_bytes());
+    let path = cache_dir().join(format!("quiver-{key:016x}-{arch}.ptx"));
+    if let Ok(s) = std::fs::read_to_string(&path) {
+        return Ok(s);
+    }
+    let opts = cudarc::nvrtc::CompileOptions { options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()], ..Default::default() };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS_SRC, opts).map_err(|e| anyhow::anyhow!("NVRTC failed to compile Quiver's kernels for {arch}: {e:?}"))?;
+    let src = ptx.to_src();
+    // The cache is an optimization: failing to write it is not an error.
+    if std::fs::create_dir_all(path.parent().unwrap()).is_ok() {
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &src).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(src)
+}
+
+/// Checks that the CUDA libraries we load at run time are present, naming the missing one.
+fn check_libraries() -> Result<()> {
+    // SAFETY: these only try to dlopen the libraries.
+    let present = unsafe {
+        [
+            ("the CUDA driver (libcuda.so)", cudarc::driver::sys::is_culib_present()),
+            ("NVRTC (libnvrtc.so)", cudarc::nvrtc::sys::is_culib_present()),
+            ("cuBLAS (libcublas.so)", cudarc::cublas::sys::is_culib_present()),
+        ]
+    };
+    for (what, ok) in present {
+        if !ok {
+            bail!("CUDA device requested but {what} could not be loaded: is an NVIDIA driver and CUDA runtime installed, and on LD_LIBRARY_PATH?");
+        }
+    }
+    Ok(())
+}
+
+impl CudaDevice {
+    pub fn new(ordinal: usize) -> Result<Self> {
+        check_libraries()?;
+        let count = CudaContext::device_count().context("counting CUDA devices")?;
+        if ordinal as i32 >= count {
+            bail!("device cuda:{ordinal} requested but this machine has {count} CUDA device(s)");
+        }
+        let ctx = CudaContext::new(ordinal).with_context(|| format!("creating a CUDA context on device {ordinal}"))?;
+        let (maj, min) = ctx.compute_capability()?;
+        let name = format!("cuda:{ordinal} ({}, sm_{maj}{min})", ctx.name().unwrap_or_default());
+        let arch = format!("sm_{maj}{min}");
+        let ptx = kernels_ptx(&arch)?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).context("loading Quiver's CUDA kernels")?;
+        let f = |n: &str| -> Result<sys::CUfunction> { Ok(module.load_function(n).with_context(|| format!("kernel {n}"))?.cu_function()) };
+        let k = Kernels {
+            f32_to_bf16: f("f32_to_bf16")?,
+            f32_to_bf16_split: f("f32_to_bf16_split")?,
+            add_bias: f("add_bias")?,
+            add_inplace: f("add_inplace")?,
+            embedding_bf16: f("embedding_bf16")?,
+            embedding_f32: f("embedding_f32")?,
+            gather_rows: f("gather_rows")?,
+            rms_norm: f("rms_norm")?,
+            add_rms_norm: f("add_rms_norm")?,
+            rope_qk: f("rope_qk")?,
+            silu_mul: f("silu_mul")?,
+            kv_write: f("kv_write")?,
+            paged_attention: f("paged_attention")?,
+            prefill_attention: f("prefill_attention")?,
+            gemv_bf16: {
+                let mut g = [std::ptr::null_mut(); GEMV_KERNELS];
+                for (i, slot) in g.iter_mut().enumerate() {
+                    *slot = f(&format!("gemv_bf16_{}", i + 1))?;
+                }
+                g
+            },
+        };
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).context("creating a CUDA stream")?;
+        let blas = blas::Blas::new(stream)?;
+        let state = State {
+            host_meta: Vec::new(),
+            meta: DevBuf::zeroed(&ctx, 0)?,
+            staged: [StagedSlice::default(); 6],
+            row_seq: None,
+            tiles: (0, 0),
+            side: DevBuf::zeroed(&ctx, 0)?,
+            xbf: DevBuf::zeroed(&ctx, 0)?,
+        };
+        let profiler = std::env::var_os("QUIVER_CUDA_PROFILE").filter(|v| v != "0").map(|_| Mutex::new(Profiler::default()));
+        let split_gemm = std::env::var_os("QUIVER_CUDA_SPLIT_GEMM").is_some_and(|v| v != "0");
+        let graphs = (profiler.is_none() && std::env::var_os("QUIVER_CUDA_GRAPHS").is_none_or(|v| v != "0")).then(|| Mutex::new(Graphs::default()));
+        Ok(CudaDevice { ordinal, ctx, stream, blas, k, _module: module, state: Mutex::new(state), name, profiler, split_gemm, graphs })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn bind(&self) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            panic!("binding the CUDA context of {}: {e:?}", self.name);
+        }
+    }
+
+    /// Waits for all queued work; surfaces asynchronous kernel errors.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind();
+        unsafe { result::stream::synchronize(self.stream) }.with_context(|| format!("CUDA stream of {}", self.name))?;
+        Ok(())
+    }
+
+    /// Profiling: marks the end of op `what` on the stream.
+    fn mark(&self, what: &'static str) {
+        let Some(p) = &self.profiler else { return };
+        let mut p = p.lock().unwrap();
+        let i = p.used.len();
+        if i == p.pool.len() {
+            match result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT) {
+                Ok(e) => p.pool.push(e),
+                Err(_) => return,
+            }
+        }
+        if unsafe { result::event::record(p.pool[i], self.stream) }.is_ok() {
+            p.used.push(what);
+        }
+    }
+
+    /// Profiling: after a host sync, charges the recorded intervals to their ops.
+    fn collect_profile(&self) {
+        let Some(p) = &self.profiler else { return };
+        let mut p = p.lock().unwrap();
+        let Profiler { pool, used, totals, .. } = &mut *p;
+        for i in 1..used.len() {
+            let ms = unsafe { result::event::elapsed(pool[i - 1], pool[i]) }.unwrap_or(0.0) as f64;
+            match totals.iter_mut().find(|t| t.0 == used[i]) {
+                Some(t) => {
+                    t.1 += ms;
+                    t.2 += 1;
+                }
+                None => totals.push((used[i], ms, 1)),
+            }
+        }
+        used.clear();
+    }
+
+    fn grow(&self, b: &mut DevBuf, bytes: usize) {
+        if b.bytes < bytes {
+            // Queued kernels may still read the old buffer.
+            self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+            *b = DevBuf::zeroed(&self.ctx, bytes.next_power_of_two()).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+        }
+    }
+
+    fn htod<T>(&self, dst: u64, src: &[T]) {
+        if src.is_empty() {
+            return;
+        }
+        // SAFETY: dst has room for src (callers size it); pageable copies complete their read of
+        // `src` before returning.
+        unsafe { result::memcpy_htod_async(dst, src, self.stream) }.unwrap_or_else(|e| panic!("host→device copy on {}: {e:?}", self.name));
+    }
+
+    /// Device address of a host metadata slice: its staged copy, or a fresh side upload.
+    fn meta_ptr(&self, st: &mut State, s: &[u32]) -> u64 {
+        let addr = s.as_ptr() as usize;
+        if let Some(e) = st.staged.iter().find(|e| e.addr == addr && e.len == s.len() && e.len > 0) {
+            return st.meta.ptr + 4 * e.offset as u64;
+        }
+        self.grow(&mut st.side, s.len() * 4);
+        self.htod(st.side.ptr, s);
+        st.side.ptr
+    }
+
+    fn stage(&self, st: &mut State, ids: &[u32], b: &AttnBatch<'_>, logits_rows: &[u32]) {
+        let State { host_meta, staged, row_seq, tiles, .. } = st;
+        host_meta.clear();
+        let slices: [&[u32]; 6] = [ids, b.positions, b.seq_starts, b.ctx_lens, b.block_tables, logits_rows];
+        for (i, s) in slices.iter().enumerate() {
+            staged[i] = StagedSlice { addr: s.as_ptr() as usize, len: s.len(), offset: host_meta.len() };
+            host_meta.extend_from_slice(s);
+        }
+        let offset = host_meta.len();
+        let nseq = b.seq_starts.len().saturating_sub(1);
+        for s in 0..nseq {
+            for _ in b.seq_starts[s]..b.seq_starts[s + 1] {
+                host_meta.push(s as u32);
+            }
+        }
+        *row_seq = Some(StagedSlice { addr: b.positions.as_ptr() as usize, len: b.positions.len(), offset });
+        let tiles_at = host_meta.len();
+        for s in 0..nseq {
+            let (a, e) = (b.seq_starts[s], b.seq_starts[s + 1]);
+            for r0 in (a..e).step_by(PREFILL_ROWS) {
+                host_meta.extend_from_slice(&[r0, (e - r0).min(PREFILL_ROWS as u32), s as u32]);
+            }
+        }
+        *tiles = (tiles_at, (host_meta.len() - tiles_at) / 3);
+        let bytes = host_meta.len() * 4;
+        self.grow(&mut st.meta, bytes);
+        self.htod(st.meta.ptr, &st.host_meta);
+    }
+
+    /// Device address of the row → sequence map for the batch whose positions are `positions`.
+    fn row_seq_ptr(&self, st: &mut State, b: &AttnBatch<'_>) -> u64 {
+        let staged_here = matches!(st.row_seq, Some(e) if e.addr == b.positions.as_ptr() as usize && e.len == b.positions.len());
+        if !staged_here {
+            // An op called outside a staged forward: stage this batch now.
+            self.stage(st, &[], b, &[]);
+        }
+        st.meta.ptr + 4 * st.row_seq.unwrap().offset as u64
+    }
+}
+
+impl Device for CudaDevice {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cuda(self.ordinal)
+    }
+
+    fn alloc(&self, len: usize) -> Tensor {
+        Tensor::from_cuda(DevBuf::zeroed(&self.ctx, len * 4).unwrap_or_else(|e| panic!("{}: {e:#}", self.name)))
+    }
+
+    fn to_host(&self, t: &Tensor, len: usize, out: &mut [f32]) {
+        self.bind();
+        if len == 0 {
+            return;
+        }
+        // SAFETY: t holds at least len floats; a copy into pageable memory returns once done.
+        unsafe { result::memcpy_dtoh_async(&mut out[..len], buf(t), self.stream) }.unwrap_or_else(|e| panic!("device→host copy on {}: {e:?}", self.name));
+        self.mark("to_host");
+        let t = std::time::Instant::now();
+        self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+        if let Some(p) = &self.profiler {
+            let mut p = p.lock().unwrap();
+            if let Some(s) = p.step_start.take() {
+                p.issue_s += t.duration_since(s).as_secs_f64();
+                p.wait_s += t.elapsed().as_secs_f64();
+                p.steps += 1;
+            }
+        }
+        self.collect_profile();
+    }
+
+    fn upload(&self, data: &[f32], t: &mut Tensor) {
+        self.bind();
+        assert!(data.len() <= t.capacity(), "upload of {} floats into a tensor of {}", data.len(), t.capacity());
+        self.htod(buf(t), data);
+    }
+
+    fn load_weight(&self, w: Weight) -> Weight {
+        self.bind();
+        let (rows, cols) = (w.rows, w.cols);
+        let (b, dtype) = match &w.data {
+            WeightData::F32(v) => {
+                let b = DevBuf::zeroed(&self.ctx, v.len() * 4).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+                self.htod(b.ptr, v);
+                (b, DType::F32)
+            }
+            WeightData::Bf16(v) => {
+                let b = DevBuf::zeroed(&self.ctx, v.len() * 2).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+                self.htod(b.ptr, v);
+                (b, DType::Bf16)
+            }
+            WeightData::Cuda(..) => return w,
+        };
+        Weight { rows, cols, data: WeightData::Cuda(b, dtype) }
+    }
+
+    fn kv_elem_bytes(&self) -> usize {
+        2
+    }
+
+    fn alloc_kv(&self, layout: KvLayout) -> KvStorage {
+        let mk = || Tensor::from_cuda(DevBuf::zeroed(&self.ctx, layout.layer_len() * 2).unwrap_or_else(|e| panic!("KV cache on {}: {e:#}", self.name)));
+        KvStorage { layout, k: (0..layout.num_layers).map(|_| mk()).collect(), v: (0..layout.num_layers).map(|_| mk()).collect() }
+    }
+
+    fn stage_batch(&self, ids: &[u32], batch: &AttnBatch<'_>, logits_rows: &[u32]) {
+        self.bind();
+        let mut st = self.state.lock().unwrap();
+        self.stage(&mut st, ids, batch, logits_rows);
+        self.mark("stage_batch");
+        if let Some(p) = &self.profiler {
+            p.lock().unwrap().step_start = Some(std::time::Instant::now());
+        }
+    }
+
+    /// Steps of at most [`GEMV_MAX_M`] rows (decode) are recorded as a CUDA graph the first time
+    /// their shape is seen and replayed after: one launch per step instead of ~10 per layer.
+    /// Issuing launches bounds eager decode on the H200 VM (7.8 ms of host issue time per 8B
+    /// step against microseconds of waiting); replay took batch-1 decode from 157 to 169 tok/s.
+    /// Larger steps run eagerly (their cuBLAS calls may allocate workspace, which a capture
+    /// forbids; capturing them is the next step).
+    fn run_step(&self, rows: usize, shape: Option<u64>, body: &mut dyn FnMut()) {
+        let (Some(graphs), Some(key)) = (&self.graphs, shape) else { return body() };
+        if rows == 0 || rows > GEMV_MAX_M {
+            return body();
+        }
+        self.bind();
+        let mut g = graphs.lock().unwrap();
+        if g.disabled {
+            return body();
+        }
+        let generation = ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst);
+        if g.generation != generation {
+            g.clear();
+            g.generation = generation;
+        }
+        if let Some(&(_, exec)) = g.execs.iter().find(|e| e.0 == key) {
+            // SAFETY: a live executable graph of this context; its buffers are unchanged
+            // (same allocation generation).
+            unsafe { result::graph::launch(exec, self.stream) }.unwrap_or_else(|e| panic!("CUDA graph launch on {}: {e:?}", self.name));
+            return;
+        }
+        // Record. A failure anywhere leaves the step unexecuted: run it eagerly and stop trying.
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        if unsafe { result::stream::begin_capture(self.stream, mode) }.is_err() {
+            g.disabled = true;
+            return body();
+        }
+        body();
+        let exec = unsafe { result::stream::end_capture(self.stream) }.and_then(|graph| {
+            let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) };
+            let _ = unsafe { result::graph::destroy(graph) };
+            exec
+        });
+        let exec = match exec {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!("CUDA graph capture failed on {} ({e:?}); decode steps run eagerly from now on", self.name);
+                g.disabled = true;
+                return body();
+            }
+        };
+        unsafe { result::graph::launch(exec, self.stream) }.unwrap_or_else(|e| panic!("CUDA graph launch on {}: {e:?}", self.name));
+        if ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst) != generation || g.execs.len() >= MAX_GRAPHS {
+            // Something was allocated while recording (its address is baked in but may move), or
+            // the cache is full: use this recording once only.
+            self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+            let _ = unsafe { result::graph::exec_destroy(exec) };
+        } else {
+            g.execs.push((key, exec));
+        }
+    }
+
+    fn matmul(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor) {
+        self.bind();
+        if m == 0 {
+            return;
+        }
+        let (k, n) = (w.cols, w.rows);
+        let WeightData::Cuda(wb, dtype) = &w.data else { panic!("CUDA matmul given a host weight (load it with Device::load_weight)") };
+        match dtype {
+            DType::Bf16 if m <= GEMV_MAX_M => {
+                let bp = bias.map(buf).unwrap_or(0);
+                launch!(self, self.k.gemv_bf16[m - 1], (n.div_ceil(8) as u32, 1, 1), (256, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32);
+                self.mark("matmul gemv");
+                return;
+            }
+            DType::Bf16 if self.split_gemm => {
+                let mut st = self.state.lock().unwrap();
+                self.grow(&mut st.xbf, m * k * 4);
+                let (hi, lo) = (st.xbf.ptr, st.xbf.ptr + (m * k * 2) as u64);
+                launch!(self, self.k.f32_to_bf16_split, grid1(m * k, 256), (256, 1, 1); buf(x), hi, lo, (m * k) as i64);
+                self.mark("matmul input to bf16");
+                let e1 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, hi, buf(y), false);
+                let e2 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, lo, buf(y), true);
+                e1.and(e2).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+            }
+            DType::Bf16 => {
+                let mut st = self.state.lock().unwrap();
+                self.grow(&mut st.xbf, m * k * 2);
+                launch!(self, self.k.f32_to_bf16, grid1(m * k, 256), (256, 1, 1); buf(x), st.xbf.ptr, (m * k) as i64);
+                self.mark("matmul input to bf16");
+                self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, st.xbf.ptr, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+            }
+            DType::F32 => {
+                self.blas.gemm_xwt(blas::Operand::F32, m, n, k, wb.ptr, buf(x), buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+            }
+        }
+        self.mark("matmul cublas");
+        if let Some(b) = bias {
+            launch!(self, self.k.add_bias, grid1(m * n, 256), (256, 1, 1); buf(y), buf(b), n as i32, (m * n) as i64);
+            self.mark("bias");
+        }
+    }
+
+    fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) {
+        self.bind();
+        if ids.is_empty() {
+            return;
+        }
+        let WeightData::Cuda(tb, dtype) = &table.data else { panic!("CUDA embedding given a host table") };
+        let f = if *dtype == DType::Bf16 { self.k.embedding_bf16 } else { self.k.embedding_f32 };
+        let mut st = self.state.lock().unwrap();
+        let idp = self.meta_ptr(&mut st, ids);
+        launch!(self, f, (ids.len() as u32, 1, 1), (256, 1, 1); tb.ptr, idp, buf(out), table.cols as i32);
+        self.mark("embedding");
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
+        self.bind();
+        if rows == 0 {
+            return;
+        }
+        launch!(self, self.k.rms_norm, (rows as u32, 1, 1), (256, 1, 1); buf(x), buf(w), buf(out), dim as i32, eps);
+        self.mark("rms_norm");
+    }
+
+    fn add_rms_norm(&self, resid: &mut Tensor, delta: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
+        self.bind();
+        if rows == 0 {
+            return;
+        }
+        launch!(self, self.k.add_rms_norm, (rows as u32, 1, 1), (256, 1, 1); buf(resid), buf(delta), buf(w), buf(out), dim as i32, eps);
+        self.mark("add_rms_norm");
+    }
+
+    fn add_inplace(&self, resid: &mut Tensor, delta: &Tensor, len: usize) {
+        self.bind();
+        if len == 0 {
+            return;
+        }
+        launch!(self, self.k.add_inplace, grid1(len, 256), (256, 1, 1); buf(resid), buf(delta), len as i64);
+        self.mark("add_inplace");
+    }
+
+    fn rope_qk(&self, qkv: &mut Tensor, rows: usize, positions: &[u32], n_heads: usize, n_kv_heads: usize, t: &RopeTable) {
+        self.bind();
+        if rows == 0 {
+            return;
+        }
+        assert_eq!(t.rotary_dim, t.head_dim, "partial rotary dims are not supported on CUDA");
+        let width = (n_heads + 2 * n_kv_heads) * t.head_dim;
+        let mut st = self.state.lock().unwrap();
+        let pp = self.meta_ptr(&mut st, &positions[..rows]);
+        launch!(self, self.k.rope_qk, (rows as u32, 1, 1), (256, 1, 1);
+            buf(qkv), pp, buf(&t.cos), buf(&t.sin), (n_heads + n_kv_heads) as i32, t.head_dim as i32, (t.rotary_dim / 2) as i32, width as i32, t.max_pos as i32);
+        self.mark("rope");
+    }
+
+    fn silu_mul(&self, gate_up: &Tensor, rows: usize, inter: usize, out: &mut Tensor) {
+        self.bind();
+        if rows == 0 {
+            return;
+        }
+        launch!(self, self.k.silu_mul, grid1(rows * inter, 256), (256, 1, 1); buf(gate_up), buf(out), inter as i32, (rows * inter) as i64);
+        self.mark("silu_mul");
+    }
+
+    fn paged_attention(&self, qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorage, layer: usize, n_heads: usize, scale: f32, out: &mut Tensor) {
+        self.bind();
+        let rows = b.positions.len();
+        if rows == 0 {
+            return;
+        }
+        let l = kv.layout;
+        assert!(l.head_dim <= 256, "head_dim {} > 256 is not supported on CUDA", l.head_dim);
+        let mut st = self.state.lock().unwrap();
+        let rs = self.row_seq_ptr(&mut st, b);
+        let pp = self.meta_ptr(&mut st, b.positions);
+        let bt = self.meta_ptr(&mut st, b.block_tables);
+        let (kc, vc) = (buf(&kv.k[layer]), buf(&kv.v[layer]));
+        let stride = b.block_table_stride as i32;
+        launch!(self, self.k.kv_write, (rows as u32, 1, 1), (128, 1, 1);
+            buf(qkv), rs, pp, bt, stride, kc, vc, n_heads as i32, l.n_kv_heads as i32, l.head_dim as i32, l.block_size as i32);
+        self.mark("kv_write");
+        let (tiles_at, n_tiles) = st.tiles;
+        if n_tiles < rows && l.head_dim <= 128 {
+            // Some sequence brings several rows (prefill): share each K/V tile among them.
+            let hd = l.head_dim;
+            let smem = 4 * (32 * (hd + 1) + 32 * hd + PREFILL_ROWS * hd + PREFILL_ROWS * 32);
+            let tp = st.meta.ptr + 4 * tiles_at as u64;
+            launch!(self, self.k.prefill_attention, (n_tiles as u32, n_heads as u32, 1), ((PREFILL_ROWS * 32) as u32, 1, 1), smem = smem as u32;
+                buf(qkv), kc, vc, tp, pp, bt, stride, buf(out), n_heads as i32, l.n_kv_heads as i32, hd as i32, l.block_size as i32, scale);
+            self.mark("attention prefill");
+        } else {
+            launch!(self, self.k.paged_attention, (rows as u32, n_heads as u32, 1), (256, 1, 1);
+                buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), n_heads as i32, l.n_kv_heads as i32, l.head_dim as i32, l.block_size as i32, scale);
+            self.mark("attention decode");
+        }
+    }
+
+    fn gather_rows(&self, x: &Tensor, rows: &[u32], dim: usize, out: &mut Tensor) {
+        self.bind();
+        if rows.is_empty() {
+            return;
+        }
+        let mut st = self.state.lock().unwrap();
+        let rp = self.meta_ptr(&mut st, rows);
+        launch!(self, self.k.gather_rows, (rows.len() as u32, 1, 1), (256, 1, 1); buf(x), rp, buf(out), dim as i32);
+        self.mark("gather_rows");
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            let _ = unsafe { result::stream::synchronize(self.stream) };
+            if let Some(g) = &self.graphs {
+                g.lock().unwrap().clear();
+            }
+        }
+        if let Some(p) = &self.profiler {
+            let mut p = p.lock().unwrap();
+            let steps = p.steps.max(1) as f64;
+            eprintln!("host per step: {:.3} ms issuing work, {:.3} ms waiting for the GPU ({} steps)", 1e3 * p.issue_s / steps, 1e3 * p.wait_s / steps, p.steps);
+            let mut t = std::mem::take(&mut p.totals);
+            t.sort_by(|a, b| b.1.total_cmp(&a.1));
+            let all: f64 = t.iter().map(|x| x.1).sum();
+            eprintln!("CUDA profile of {} (GPU time between op ends, launch gaps included):", self.name);
+            for (name, ms, n) in t {
+                eprintln!("  {name:<22} {ms:>10.2} ms {:>5.1}%  {n:>8} calls  {:>8.1} us/call", 100.0 * ms / all, 1e3 * ms / n as f64);
+            }
+        }
+    }
+}

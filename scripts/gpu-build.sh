@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds what scripts/gpu-check.sh runs on the GPU machine into .gpu/ (gitignored): the quiver
+# binary and the two GPU test binaries, built with `--features cuda` (no CUDA needed to build),
+# plus the tokenizer files the random models share.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .gpu/bin .gpu/tok
+cargo build --release -p quiver --features cuda
+cp target/release/quiver .gpu/bin/
+for t in "quiver-kernels cuda_kernels" "quiver-engine cuda_parity"; do
+    set -- $t
+    exe=$(cargo test --release -p "$1" --features cuda --test "$2" --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import sys,json
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==sys.argv[1]: print(m["executable"])' "$2" | tail -n 1)
+    cp "$exe" ".gpu/bin/$2"
+done
+strip .gpu/bin/* 2>/dev/null || true
+tok=${QUIVER_CACHE:-.cache}/ref/models/tiny-qwen2
+cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json .gpu/tok/
+[ -f "$tok/special_tokens_map.json" ] && cp "$tok/special_tokens_map.json" .gpu/tok/
+du -sh .gpu

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The whole CUDA check in one call on the GPU machine (which has CUDA, PyTorch and transformers
+# but no Rust): build here first with `scripts/gpu-build.sh`, which puts the binaries and the
+# tokenizer files in .gpu/, then run this there with .gpu carried.
+#
+# Steps: random-weight models and float32 references (scripts/gpu_models.py), the kernel unit
+# tests, the parity tests, the Llama-3.1-8B-shaped benchmark, and a summary table printed last.
+# Full logs go to $OUT (or ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
+# The device tool returns at most 8 files: logs go to $LOGS, packed into one archive at the end.
+LOGS=$DATA/logs
+mkdir -p "$OUT" "$LOGS"
+export QUIVER_GPU_DATA=$DATA PYTHONUNBUFFERED=1
+# cudarc loads libcuda, libnvrtc and libcublas by name: put the toolkit's and the pip wheels' on the path.
+extra=$(find /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib "$(python3 -c 'import nvidia,os;print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null)/nvidia" \
+    -maxdepth 3 \( -name 'libcublas.so*' -o -name 'libnvrtc.so*' \) -printf '%h\n' 2>/dev/null | grep -v stubs | sort -u | paste -sd:)
+export LD_LIBRARY_PATH=${extra}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+status=0
+step() { # name, command...
+    local name=$1; shift
+    local t0=$SECONDS
+    if "$@" >"$LOGS/$name.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+    echo "[$r] $name ($((SECONDS - t0)) s)"
+    [ $r = ok ] || tail -n 30 "$LOGS/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$LOGS/nvidia-smi.log" 2>&1
+step models python3 scripts/gpu_models.py models "$DATA" .gpu/tok
+step refs python3 scripts/gpu_models.py refs "$DATA"
+step ceilings python3 scripts/gpu_models.py ceilings "$DATA"
+step kernel-tests .gpu/bin/cuda_kernels --ignored --test-threads 1 --nocapture
+step parity-tests .gpu/bin/cuda_parity --ignored --test-threads 1 --nocapture
+step bench-8b .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
+    --prompt-len 2048 --batch-sizes 1,4,16,64,256 --decode-steps 32 --reps 3 --output-json "$DATA/bench-llama8b.json"
+# Where the time goes, per op (GPU time between op ends, so launch gaps show): a prefill-heavy
+# and a decode-heavy run.
+QUIVER_CUDA_PROFILE=1 step profile-prefill .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
+    --prompt-len 2048 --batch-sizes 1 --decode-steps 1 --reps 1
+# Decode without CUDA graphs, for the same-run comparison.
+QUIVER_CUDA_GRAPHS=0 step decode-eager .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
+    --prompt-len 16 --batch-sizes 1,4 --decode-steps 64 --reps 3
+grep decode "$LOGS/decode-eager.log" | sed 's/^/eager (no graphs): /'
+for p in prefill; do echo "--- profile $p"; grep -B1 -A12 "CUDA profile" "$LOGS/profile-$p.log"; grep pp2048 "$LOGS/profile-$p.log"; done
+cp "$DATA"/bench-llama8b.json "$DATA"/ceilings.json "$OUT"/ 2>/dev/null
+grep -hE "rel err|max \|Δlogprob\||identical|diverge" "$LOGS/kernel-tests.log" "$LOGS/parity-tests.log" > "$OUT/accuracy.txt" 2>/dev/null
+grep -E "test result|panicked" "$LOGS/kernel-tests.log" "$LOGS/parity-tests.log"
+for f in parity-tests; do echo "--- $f"; grep -hE "max \|Δlogprob\| per prompt|requests identical" "$LOGS/$f.log"; done
+tail -n 8 "$LOGS/bench-8b.log"
+python3 scripts/gpu_models.py summary "$DATA" 2>&1 | tee "$OUT/summary.txt"
+tar -C "$DATA" -czf "$OUT/logs.tgz" logs
+exit $status

@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Device-side data for the CUDA checks (run by scripts/gpu-check.sh on the GPU machine).
+
+  gpu_models.py models   OUT TOKDIR   random-weight HF models (fixed seeds) under OUT/models
+  gpu_models.py refs     OUT          transformers float32 references under OUT/ref
+  gpu_models.py ceilings OUT          measured copy bandwidth and cuBLAS bf16 GEMM rate
+  gpu_models.py summary  OUT          ratios of bench-llama8b.json to those ceilings
+
+Models (all share the tokenizer files found in TOKDIR, vocab 49152 unless noted):
+  llama-gpu     Llama, hidden 2048, 16 layers, 16 heads / 4 KV heads (GQA), untied, f32 weights
+  qwen2-gpu     Qwen2 with q/k/v biases, hidden 1536, 12 layers, 12 / 2 heads, untied, f32
+  smollm2-rand  SmolLM2-135M's shape (576 hidden, 30 layers, 9 / 3 heads, tied), f32
+  llama8b       Llama-3.1-8B's shape (4096, 32 layers, 32 / 8 heads, FFN 14336, vocab 128256),
+                bf16, for benchmarks only
+
+Weights are drawn so that activations stay O(1) and logits are peaked (std 4), so greedy
+decoding is not decided by rounding noise: linear std 1/sqrt(in), embeddings std 1, LM head
+std 4/sqrt(hidden), o_proj/down_proj additionally / sqrt(2·layers), norm weights 1 ± 0.1,
+biases std 0.1.
+"""
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+TOK_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+PROMPT_LENS = [7, 19, 33, 64, 100, 150, 230, 300]
+CONT = 32
+TOP_K = 20
+
+
+def configs():
+    from transformers import LlamaConfig, Qwen2Config
+    common = dict(bos_token_id=1, eos_token_id=2, max_position_embeddings=4096, hidden_act="silu")
+    return {
+        "llama-gpu": (LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                                  num_attention_heads=16, num_key_value_heads=4, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                  tie_word_embeddings=False, **common), 11, torch.float32),
+        "qwen2-gpu": (Qwen2Config(vocab_size=49152, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
+                                  num_attention_heads=12, num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6,
+                                  tie_word_embeddings=False, use_sliding_window=False, **common), 12, torch.float32),
+        "smollm2-rand": (LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                     num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                     tie_word_embeddings=True, **common), 13, torch.float32),
+        "llama8b": (LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                tie_word_embeddings=False,
+                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                                **{**common, "max_position_embeddings": 131072}), 14, torch.bfloat16),
+    }
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+@torch.no_grad()
+def randomize(model, seed, hidden, layers, tied):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.ndim == 1 and name.endswith("norm.weight"):
+            v = 1.0 + 0.1 * torch.randn(p.shape, generator=g, device="cuda")
+        elif p.ndim == 1:
+            v = 0.1 * torch.randn(p.shape, generator=g, device="cuda")
+        elif "embed_tokens" in name and tied:
+            # Tied: the table is also the LM head, so it gets the head's scale.
+            v = (4.0 / math.sqrt(hidden)) * torch.randn(p.shape, generator=g, device="cuda")
+        elif "embed_tokens" in name:
+            v = torch.randn(p.shape, generator=g, device="cuda")
+        elif "lm_head" in name:
+            v = (4.0 / math.sqrt(hidden)) * torch.randn(p.shape, generator=g, device="cuda")
+        elif "o_proj" in name or "down_proj" in name:
+            # Residual branches scaled by 1/sqrt(2·layers) keep the stream O(1) and the network
+            # well conditioned, like a trained model (a chaotic random net amplifies rounding).
+            v = torch.randn(p.shape, generator=g, device="cuda") / math.sqrt(p.shape[1] * 2 * layers)
+        else:
+            v = torch.randn(p.shape, generator=g, device="cuda") / math.sqrt(p.shape[1])
+        p.copy_(v.to(p.dtype))
+
+
+def cmd_models(out, tokdir):
+    from transformers import AutoModelForCausalLM
+    for name, (cfg, seed, dtype) in configs().items():
+        d = os.path.join(out, "models", name)
+        if os.path.exists(os.path.join(d, "config.json")):
+            continue
+        t = time.time()
+        torch.set_default_dtype(dtype)
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        torch.set_default_dtype(torch.float32)
+        randomize(model, seed, cfg.hidden_size, cfg.num_hidden_layers, cfg.tie_word_embeddings)
+        model.save_pretrained(d, safe_serialization=True, max_shard_size="4GB")
+        for f in TOK_FILES:
+            if os.path.exists(os.path.join(tokdir, f)):
+                shutil.copy(os.path.join(tokdir, f), d)
+        n = sum(p.numel() for p in model.parameters())
+        del model
+        torch.cuda.empty_cache()
+        log(f"model {name}: {n / 1e6:.0f}M params, {dtype}, {time.time() - t:.1f}s")
+
+
+@torch.no_grad()
+def cmd_refs(out):
+    from transformers import AutoModelForCausalLM
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    os.makedirs(os.path.join(out, "ref"), exist_ok=True)
+    for name in ["llama-gpu", "qwen2-gpu", "smollm2-rand"]:
+        path = os.path.join(out, "ref", f"{name}.json")
+        if os.path.exists(path):
+            continue
+        t = time.time()
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "models", name), dtype=torch.float32,
+                                                     attn_implementation="eager").cuda().eval()
+        vocab = model.config.vocab_size
+        g = torch.Generator().manual_seed(99)
+        cases = []
+        for i, n in enumerate(PROMPT_LENS):
+            ids = torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+            seq = list(ids)
+            for _ in range(CONT):
+                logits = model(torch.tensor([seq], device="cuda")).logits[0, -1]
+                seq.append(int(torch.argmax(logits)))
+            lp = torch.log_softmax(model(torch.tensor([seq], device="cuda")).logits[0].double(), dim=-1)
+            top = torch.topk(lp, TOP_K, dim=-1)
+            cases.append({"name": f"p{i}-{n}", "prompt_ids": ids, "continuation_ids": seq[n:],
+                          "top_ids": top.indices.tolist(), "top_logprobs": top.values.float().tolist()})
+        with open(path, "w") as f:
+            json.dump({"model": name, "cases": cases}, f)
+        del model
+        torch.cuda.empty_cache()
+        log(f"ref {name}: {len(cases)} prompts, {time.time() - t:.1f}s")
+
+
+def timed(fn, reps):
+    """Median milliseconds of fn() over reps, CUDA events, after two warm-ups."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+@torch.no_grad()
+def cmd_ceilings(out):
+    nbytes = 4 << 30
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), 20)
+    copy_tb_s = 2 * nbytes / (ms / 1e3) / 1e12
+    del src, dst
+    torch.cuda.empty_cache()
+    # The four GEMMs of one Llama-3.1-8B layer at a 2048-token prefill, cuBLAS through PyTorch,
+    # random data, several weight sets rotated so the L2 holds none of them.
+    m, h, kv, ffn = 2048, 4096, 1024, 14336
+    shapes = [(h + 2 * kv, h), (h, h), (2 * ffn, h), (h, ffn)]
+    sets = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for (n, k) in shapes] for _ in range(3)]
+    xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for (_, k) in shapes}
+    state = {"i": 0}
+
+    def layer():
+        ws = sets[state["i"] % 3]
+        state["i"] += 1
+        for w in ws:
+            torch.matmul(xs[w.shape[1]], w.t())
+
+    ms = timed(layer, 30)
+    flops = sum(2 * m * n * k for (n, k) in shapes)
+    gemm_tflops = flops / (ms / 1e3) / 1e12
+    res = {"copy_tb_s": copy_tb_s, "gemm_bf16_tflops_pp2048_layer": gemm_tflops, "gpu": torch.cuda.get_device_name(0)}
+    with open(os.path.join(out, "ceilings.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    log(f"ceilings: copy {copy_tb_s:.2f} TB/s (read+write), cuBLAS bf16 {gemm_tflops:.0f} TFLOP/s on one 8B layer at pp2048")
+
+
+def cmd_summary(out):
+    """The table gpu-check.sh prints last: our 8B numbers against the ceilings measured above."""
+    ceil = json.load(open(os.path.join(out, "ceilings.json")))
+    bench = json.load(open(os.path.join(out, "bench-llama8b.json")))
+    cfg, _, _ = configs()["llama8b"]
+    h, ffn, nl, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    layer = h * (h + 2 * kv) + h * h + 3 * ffn * h
+    weight_bytes = 2 * (nl * layer + vocab * h)  # what a decode step must stream (bf16)
+    bound_ms = weight_bytes / (ceil["copy_tb_s"] * 1e12) * 1e3
+    log("")
+    log(f"GPU: {ceil['gpu']}; copy {ceil['copy_tb_s']:.2f} TB/s; cuBLAS bf16 {ceil['gemm_bf16_tflops_pp2048_layer']:.0f} TFLOP/s")
+    log(f"Llama-3.1-8B shape, bf16 weights {weight_bytes / 1e9:.2f} GB -> weight-streaming bound {bound_ms:.2f} ms/step")
+    log(f"{'measure':<22}{'tok/s':>12}{'ms/step':>10}{'vs bound':>10}")
+    for row in bench["decode"]:
+        step_ms = row["batch"] / row["tok_s"] * 1e3
+        log(f"{'decode batch ' + str(row['batch']):<22}{row['tok_s']:>12.1f}{step_ms:>10.2f}{bound_ms / step_ms:>10.2f}")
+    pp = bench["prefill"]
+    n = pp["prompt_len"]
+    ms = n / pp["tok_s"] * 1e3
+    tflops = 2 * nl * layer * n / (ms / 1e3) / 1e12
+    log(f"{'prefill pp' + str(n):<22}{pp['tok_s']:>12.1f}{ms:>10.1f}{tflops / ceil['gemm_bf16_tflops_pp2048_layer']:>10.2f}"
+        f"  ({tflops:.0f} TFLOP/s in the linears vs cuBLAS)")
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1]
+    if cmd == "models":
+        cmd_models(sys.argv[2], sys.argv[3])
+    elif cmd == "refs":
+        cmd_refs(sys.argv[2])
+    elif cmd == "ceilings":
+        cmd_ceilings(sys.argv[2])
+    elif cmd == "summary":
+        cmd_summary(sys.argv[2])
+    else:
+        sys.exit(__doc__)
