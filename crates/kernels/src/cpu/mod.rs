@@ -1,4 +1,4 @@
-//! CPU implementation of the device ops: faer for f32 GEMMs, hand-written loops elsewhere,
+//! CPU implementation of the device ops: our own GEMM (gemm.rs), hand-written loops elsewhere,
 //! threads through rayon. Scratch space comes from thread-local buffers that only grow, so a
 //! steady-state decode step allocates nothing.
 

@@ -37,19 +37,6 @@ fn dot_body(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// `y[i*ldy + j] = x_i · w_j` for `i < m`, `j < n`: the small-batch (decode) GEMM. Each weight row
-/// is streamed from memory once and reused for all `m` input rows from cache, with no packing
-/// (packing costs more than the product when `m` is small).
-#[inline(always)]
-fn small_m_body(x: &[f32], m: usize, k: usize, w: &[f32], rows: std::ops::Range<usize>, y: &mut [f32], ldy: usize, col0: usize) {
-    for j in rows {
-        let wr = &w[j * k..(j + 1) * k];
-        for i in 0..m {
-            y[i * ldy + j - col0] = dot_body(&x[i * k..(i + 1) * k], wr);
-        }
-    }
-}
-
 #[inline(always)]
 fn silu_mul_body(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
@@ -83,10 +70,6 @@ mod avx2 {
         super::dot_body(a, b)
     }
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn small_m(x: &[f32], m: usize, k: usize, w: &[f32], rows: std::ops::Range<usize>, y: &mut [f32], ldy: usize, col0: usize) {
-        super::small_m_body(x, m, k, w, rows, y, ldy, col0)
-    }
-    #[target_feature(enable = "avx2,fma")]
     pub unsafe fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
         super::silu_mul_body(gate, up, out)
     }
@@ -96,20 +79,47 @@ mod avx2 {
     }
 }
 
-fn has_avx2() -> bool {
+/// The widest instruction set this CPU offers that the kernels use, detected once per process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512F + AVX2 + FMA.
+    Avx512,
+    /// AVX2 + FMA.
+    Avx2,
+    /// Baseline code for the target.
+    Portable,
+}
+
+pub fn isa() -> Isa {
     static STATE: AtomicU8 = AtomicU8::new(0);
     match STATE.load(Ordering::Relaxed) {
-        1 => false,
-        2 => true,
+        1 => Isa::Portable,
+        2 => Isa::Avx2,
+        3 => Isa::Avx512,
         _ => {
             #[cfg(target_arch = "x86_64")]
-            let yes = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            let found = match (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"), is_x86_feature_detected!("avx512f")) {
+                (true, true) => Isa::Avx512,
+                (true, false) => Isa::Avx2,
+                _ => Isa::Portable,
+            };
             #[cfg(not(target_arch = "x86_64"))]
-            let yes = false;
-            STATE.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
-            yes
+            let found = Isa::Portable;
+            STATE.store(
+                match found {
+                    Isa::Portable => 1,
+                    Isa::Avx2 => 2,
+                    Isa::Avx512 => 3,
+                },
+                Ordering::Relaxed,
+            );
+            found
         }
     }
+}
+
+fn has_avx2() -> bool {
+    isa() != Isa::Portable
 }
 
 macro_rules! dispatch {
@@ -128,15 +138,6 @@ macro_rules! dispatch {
 dispatch!(dot, dot_body, (a: &[f32], b: &[f32]) -> f32);
 dispatch!(silu_mul, silu_mul_body, (gate: &[f32], up: &[f32], out: &mut [f32]) -> ());
 dispatch!(exp_shift_sum, exp_shift_sum_body, (s: &mut [f32], max: f32) -> f32);
-#[allow(clippy::too_many_arguments)]
-pub fn small_m(x: &[f32], m: usize, k: usize, w: &[f32], rows: std::ops::Range<usize>, y: &mut [f32], ldy: usize, col0: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-        return unsafe { avx2::small_m(x, m, k, w, rows, y, ldy, col0) };
-    }
-    small_m_body(x, m, k, w, rows, y, ldy, col0)
-}
 
 #[cfg(test)]
 mod tests {
@@ -157,21 +158,10 @@ mod tests {
     }
 
     #[test]
-    fn dot_and_small_m_match_naive() {
+    fn dot_matches_naive() {
         let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
         let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
         let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
         assert!((dot(&a, &b) as f64 - want).abs() < 1e-5);
-        let (m, k, n) = (3, 37, 5);
-        let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.3).sin()).collect();
-        let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.7).cos()).collect();
-        let mut y = vec![f32::NAN; m * n];
-        small_m(&x, m, k, &w, 0..n, &mut y, n, 0);
-        for i in 0..m {
-            for j in 0..n {
-                let want: f64 = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum();
-                assert!((y[i * n + j] as f64 - want).abs() < 1e-4);
-            }
-        }
     }
 }
