@@ -37,7 +37,13 @@ trait Simd {
     /// `a · b + c` per lane.
     unsafe fn madd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn reduce4(v: [Self::V; NR]) -> [f32; NR];
+    /// Hint that the cache line at `p` will be read soon (`p` need not be valid).
+    #[inline(always)]
+    unsafe fn prefetch(_p: *const u8) {}
 }
+
+/// How many elements ahead of the current chunk W rows are prefetched.
+const PREFETCH: usize = 256;
 
 /// Rows of W per register tile, on every instruction set.
 const NR: usize = 4;
@@ -94,7 +100,7 @@ mod x86 {
     impl Simd for Avx512 {
         type V = __m512;
         const L: usize = 16;
-        const MR: usize = 4;
+        const MR: usize = 6;
         #[inline]
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn zero() -> __m512 {
@@ -114,6 +120,11 @@ mod x86 {
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn madd(a: __m512, b: __m512, c: __m512) -> __m512 {
             _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        unsafe fn prefetch(p: *const u8) {
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
         }
         /// Four vectors' trees at once; 128-bit blocks Xb of vector X hold lanes 4b..4b+3.
         #[inline]
@@ -237,6 +248,7 @@ unsafe fn tile<S: Simd, const R: usize, T: WElem>(xs: [*const f32; R], ws: [*con
         while c < full {
             for j in 0..NR {
                 wv[j] = T::load::<S>(ws[j].add(c));
+                S::prefetch(ws[j].wrapping_add(c + PREFETCH) as *const u8);
             }
             for i in 0..R {
                 let xv = S::load(xs[i].add(c));
@@ -286,52 +298,52 @@ unsafe fn store<const R: usize>(b: &Block<impl WElem>, i0: usize, j0: usize, out
     }
 }
 
-/// # Safety
-/// See `store`; the CPU must support `S`.
-#[inline(always)]
-unsafe fn rows_tile<S: Simd, const R: usize, T: WElem>(b: &Block<T>, i0: usize, j0: usize, ws: [*const T; NR]) {
-    let mut xs = [b.x; R];
-    for (i, p) in xs.iter_mut().enumerate() {
-        *p = unsafe { b.x.add((i0 + i) * b.k) };
-    }
-    unsafe { store::<R>(b, i0, j0, tile::<S, R, T>(xs, ws, b.k)) };
-}
-
-/// The body of one task. For each group of `NR` rows of W (which then stay in L1), every row
-/// tile of x passes over it. A last partial group repeats its last row (the extra results are
-/// dropped); a last partial row tile uses a smaller tile. Neither changes how an element is
-/// computed.
+/// The body of one task. For each row tile of x (which then stays in L1), every group of `NR`
+/// rows of W in the block passes over it (from L2 once the block has been read). A last partial
+/// row tile uses a smaller tile; a last partial group of W rows repeats its last row and drops
+/// the extra results. Neither changes how an element is computed.
 ///
 /// # Safety
 /// See `store`; the CPU must support `S`.
 #[inline(always)]
 unsafe fn block_body<S: Simd, T: WElem>(b: &Block<T>) {
     let (r0, r1) = b.rows;
+    let mut i0 = r0;
+    unsafe {
+        while i0 < r1 {
+            let rows = S::MR.min(r1 - i0);
+            match rows {
+                1 => row_tile::<S, 1, T>(b, i0),
+                2 => row_tile::<S, 2, T>(b, i0),
+                3 => row_tile::<S, 3, T>(b, i0),
+                4 => row_tile::<S, 4, T>(b, i0),
+                5 => row_tile::<S, 5, T>(b, i0),
+                6 => row_tile::<S, 6, T>(b, i0),
+                _ => unreachable!("MR is at most 6"),
+            }
+            i0 += rows;
+        }
+    }
+}
+
+/// Rows `i0..i0 + R` of x against every row of W in the block.
+///
+/// # Safety
+/// See `store`; the CPU must support `S`.
+#[inline(always)]
+unsafe fn row_tile<S: Simd, const R: usize, T: WElem>(b: &Block<T>, i0: usize) {
     let (c0, c1) = b.cols;
+    let mut xs = [b.x; R];
+    for (i, p) in xs.iter_mut().enumerate() {
+        *p = unsafe { b.x.add((i0 + i) * b.k) };
+    }
     let mut j0 = c0;
     while j0 < c1 {
         let mut ws = [b.w; NR];
         for (j, p) in ws.iter_mut().enumerate() {
             *p = unsafe { b.w.add((j0 + j).min(c1 - 1) * b.k) };
         }
-        let mut i0 = r0;
-        unsafe {
-            while i0 + S::MR <= r1 {
-                match S::MR {
-                    4 => rows_tile::<S, 4, T>(b, i0, j0, ws),
-                    2 => rows_tile::<S, 2, T>(b, i0, j0, ws),
-                    _ => unreachable!("MR is 2 or 4"),
-                }
-                i0 += S::MR;
-            }
-            match r1 - i0 {
-                0 => {}
-                1 => rows_tile::<S, 1, T>(b, i0, j0, ws),
-                2 => rows_tile::<S, 2, T>(b, i0, j0, ws),
-                3 => rows_tile::<S, 3, T>(b, i0, j0, ws),
-                _ => unreachable!("MR is at most 4"),
-            }
-        }
+        unsafe { store::<R>(b, i0, j0, tile::<S, R, T>(xs, ws, b.k)) };
         j0 += NR;
     }
 }
@@ -585,11 +597,49 @@ mod tests {
     #[ignore]
     fn gemm_timing() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        {
+            // Streaming ceiling: a parallel vectorized sum over a 113 MB array.
+            let big = random(&mut rng, 576 * 49152);
+            for _ in 0..3 {
+                let t = std::time::Instant::now();
+                let s: f32 = big.par_chunks(64 * 576).map(|c| crate::cpu::simd::dot(c, c)).sum();
+                let dt = t.elapsed().as_secs_f64();
+                eprintln!("stream sum: {:.1} GB/s ({s})", (big.len() * 4) as f64 / dt / 1e9);
+            }
+        }
+        {
+            // Cost of one parallel op issued from outside the pool, as the forward pass does.
+            let mut v = vec![0.0f32; 2 * 64];
+            for _ in 0..3 {
+                let t = std::time::Instant::now();
+                for _ in 0..2000 {
+                    v.par_chunks_mut(64).for_each(|c| c[0] += 1.0);
+                }
+                eprintln!("handoff: {:.1} us per par op", t.elapsed().as_secs_f64() / 2000.0 * 1e6);
+            }
+        }
+        {
+            // Kernel ceiling: one thread, everything in L1/L2.
+            let (m, k, n) = (48, 256, 64);
+            let (x, w) = (random(&mut rng, m * k), random(&mut rng, n * k));
+            let mut y = vec![0.0; m * n];
+            let b = Block { x: x.as_ptr(), w: w.as_ptr(), y: y.as_mut_ptr(), k, n, rows: (0, m), cols: (0, n), accumulate: false };
+            for _ in 0..3 {
+                let t = std::time::Instant::now();
+                for _ in 0..2000 {
+                    // SAFETY: one block over all of y.
+                    unsafe { run_block(isa(), &b) };
+                }
+                let dt = t.elapsed().as_secs_f64() / 2000.0;
+                eprintln!("in-cache single thread: {:.1} GFLOP/s", 2.0 * (m * n * k) as f64 / dt / 1e9);
+            }
+        }
+        let only: Option<usize> = std::env::var("GEMM_M").ok().and_then(|v| v.parse().ok());
         for &(k, n) in &[(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)] {
             let w = random(&mut rng, n * k);
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
             for &m in &[1, 4, 16, 64, 512] {
-                if n == 49152 && m > 64 {
+                if (n == 49152 && m > 64) || only.is_some_and(|o| o != m) {
                     continue;
                 }
                 let x = random(&mut rng, m * k);
