@@ -1,6 +1,8 @@
 //! Small vectorizable building blocks. Written as fixed-width lane arrays so LLVM vectorizes
-//! them; each public entry is compiled twice (baseline x86-64 and AVX2+FMA) and picks one at
-//! run time, so the binary stays portable while using the wide units where present.
+//! them; each public entry is compiled three times (baseline x86-64, AVX2+FMA, AVX-512) and picks
+//! one at run time, so the binary stays portable while using the wide units where present. The
+//! source fixes the order of every operation (no FMA contraction in Rust), so all three give the
+//! same results.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -63,21 +65,57 @@ fn exp_shift_sum_body(s: &mut [f32], max: f32) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        super::dot_body(a, b)
+/// Attention of one query head over `scores.len()` cached positions of a paged cache:
+/// `o = softmax(scale · q·K) · V`. Position t of the sequence is in slot
+/// `table[t / bs] * bs + t % bs`; its key for this head is `kc[slot * kvw + koff..][..q.len()]`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn attend_head_body(q: &[f32], kc: &[f32], vc: &[f32], table: &[u32], bs: usize, kvw: usize, koff: usize, scale: f32, scores: &mut [f32], o: &mut [f32]) {
+    let hd = q.len();
+    let mut max = f32::NEG_INFINITY;
+    for (t, sv) in scores.iter_mut().enumerate() {
+        let at = (table[t / bs] as usize * bs + t % bs) * kvw + koff;
+        *sv = dot_body(q, &kc[at..at + hd]) * scale;
+        max = max.max(*sv);
     }
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-        super::silu_mul_body(gate, up, out)
-    }
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn exp_shift_sum(s: &mut [f32], max: f32) -> f32 {
-        super::exp_shift_sum_body(s, max)
+    let inv = 1.0 / exp_shift_sum_body(scores, max);
+    o.fill(0.0);
+    for (t, &p) in scores.iter().enumerate() {
+        let at = (table[t / bs] as usize * bs + t % bs) * kvw + koff;
+        let w = p * inv;
+        for (ov, &vv) in o.iter_mut().zip(&vc[at..at + hd]) {
+            *ov += w * vv;
+        }
     }
 }
+
+/// The public entries compiled for one instruction set (same source, so the same results).
+macro_rules! isa_module {
+    ($m:ident, $feat:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $m {
+            #[target_feature(enable = $feat)]
+            pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+                super::dot_body(a, b)
+            }
+            #[target_feature(enable = $feat)]
+            pub unsafe fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+                super::silu_mul_body(gate, up, out)
+            }
+            #[target_feature(enable = $feat)]
+            pub unsafe fn exp_shift_sum(s: &mut [f32], max: f32) -> f32 {
+                super::exp_shift_sum_body(s, max)
+            }
+            #[allow(clippy::too_many_arguments)]
+            #[target_feature(enable = $feat)]
+            pub unsafe fn attend_head(q: &[f32], kc: &[f32], vc: &[f32], table: &[u32], bs: usize, kvw: usize, koff: usize, scale: f32, scores: &mut [f32], o: &mut [f32]) {
+                super::attend_head_body(q, kc, vc, table, bs, kvw, koff, scale, scores, o)
+            }
+        }
+    };
+}
+isa_module!(avx2, "avx2,fma");
+isa_module!(avx512, "avx512f,avx2,fma");
 
 /// The widest instruction set this CPU offers that the kernels use, detected once per process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,17 +156,16 @@ pub fn isa() -> Isa {
     }
 }
 
-fn has_avx2() -> bool {
-    isa() != Isa::Portable
-}
-
 macro_rules! dispatch {
     ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        #[allow(clippy::too_many_arguments)]
         pub fn $name($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
-            if has_avx2() {
-                // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-                return unsafe { avx2::$name($($arg),*) };
+            match isa() {
+                // SAFETY: the CPU supports the module's features (checked at run time).
+                Isa::Avx512 => return unsafe { avx512::$name($($arg),*) },
+                Isa::Avx2 => return unsafe { avx2::$name($($arg),*) },
+                Isa::Portable => {}
             }
             $body($($arg),*)
         }
@@ -138,6 +175,7 @@ macro_rules! dispatch {
 dispatch!(dot, dot_body, (a: &[f32], b: &[f32]) -> f32);
 dispatch!(silu_mul, silu_mul_body, (gate: &[f32], up: &[f32], out: &mut [f32]) -> ());
 dispatch!(exp_shift_sum, exp_shift_sum_body, (s: &mut [f32], max: f32) -> f32);
+dispatch!(attend_head, attend_head_body, (q: &[f32], kc: &[f32], vc: &[f32], table: &[u32], bs: usize, kvw: usize, koff: usize, scale: f32, scores: &mut [f32], o: &mut [f32]) -> ());
 
 #[cfg(test)]
 mod tests {
