@@ -1,28 +1,31 @@
-//! `y = x · Wᵀ` with W `[n, k]` row-major (f32 or bf16), x `[m, k]`, y `[m, n]`: our own GEMM.
+//! `y = x · Wᵀ` with W `[n, k]` row-major (f32 or bf16), x `[m, k]`, y `[m, n]`: our own GEMM,
+//! used for every M (decode and prefill alike).
 //!
 //! **Invariant: the accumulation order of every output element is independent of M.** Each
 //! `y[i, j]` is the dot product of two contiguous rows, `x[i, :]` and `W[j, :]`, computed the
 //! same way wherever it lands: `L` lane accumulators run over k in chunks of `L` (first the
-//! `k mod L` tail as one zero-padded chunk, then the full chunks in increasing k), one multiply-add
-//! per lane and chunk; then the `L` lanes
-//! are summed by a fixed halving tree. Register tiles (`MR` rows of x × `NR` rows of W), cache
-//! blocks and the split into parallel tasks only decide *which* elements are computed together,
+//! `k mod L` tail as one zero-padded chunk, then the full chunks in increasing k), one
+//! multiply-add per lane and chunk; then the `L` lanes are summed by a fixed halving tree.
+//! Register tiles (`MR` rows of x × `NR` rows of W, smaller at the edges), cache blocks, aligned
+//! copies and the split into parallel tasks only decide *which* elements are computed together,
 //! never how one is computed. So a sequence's logits are bit-identical whether it runs alone
-//! (decode, M = 1) or inside a batch or a prefill chunk (large M): batch invariance by
-//! construction, not by tolerance.
+//! (decode, M = 1), inside a decode batch or inside a prefill chunk: batch invariance by
+//! construction, not by tolerance. Keep it that way: never split k across tasks, reorder the
+//! chunks, or let the tail or the reduction depend on the tile.
 //!
-//! The lane count and FMA-or-not depend on the instruction set (AVX-512, AVX2+FMA, portable),
-//! chosen once per process at run time, so results are reproducible on one machine but may
-//! differ in the last bits between machines.
+//! The lane count and FMA-or-not depend on the instruction set (AVX-512: 16 lanes, 6×4 tiles;
+//! AVX2+FMA: 8 lanes, 2×4; portable: 8 lanes, no FMA), chosen once per process at run time, so
+//! results are reproducible on one machine but may differ in the last bits between machines.
 //!
 //! No packing: W is streamed as stored (bf16 rows are widened to f32 in registers, so memory
 //! traffic stays at 2 bytes per weight while the arithmetic is f32), which is what decode
-//! (small M, bandwidth-bound) wants; for prefill a task's block of W rows is reused from L1/L2
-//! by every row tile of x.
+//! (small M, bandwidth-bound) wants. For larger M, a task's block of W (≤ 64 rows) stays in L2
+//! while each x tile (in L1) passes over it.
 
 use super::simd::{isa, Isa};
 use half::bf16;
 use rayon::prelude::*;
+use std::cell::RefCell;
 
 /// One instruction set's vector of `L` f32 lanes and the few operations the kernel needs.
 /// `reduce4` must sum each vector's lanes by the halving tree of [`reduce_tree`].
@@ -37,13 +40,7 @@ trait Simd {
     /// `a · b + c` per lane.
     unsafe fn madd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn reduce4(v: [Self::V; NR]) -> [f32; NR];
-    /// Hint that the cache line at `p` will be read soon (`p` need not be valid).
-    #[inline(always)]
-    unsafe fn prefetch(_p: *const u8) {}
 }
-
-/// How many elements ahead of the current chunk W rows are prefetched.
-const PREFETCH: usize = 256;
 
 /// Rows of W per register tile, on every instruction set.
 const NR: usize = 4;
@@ -120,11 +117,6 @@ mod x86 {
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn madd(a: __m512, b: __m512, c: __m512) -> __m512 {
             _mm512_fmadd_ps(a, b, c)
-        }
-        #[inline]
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        unsafe fn prefetch(p: *const u8) {
-            _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
         }
         /// Four vectors' trees at once; 128-bit blocks Xb of vector X hold lanes 4b..4b+3.
         #[inline]
@@ -248,7 +240,6 @@ unsafe fn tile<S: Simd, const R: usize, T: WElem>(xs: [*const f32; R], ws: [*con
         while c < full {
             for j in 0..NR {
                 wv[j] = T::load::<S>(ws[j].add(c));
-                S::prefetch(ws[j].wrapping_add(c + PREFETCH) as *const u8);
             }
             for i in 0..R {
                 let xv = S::load(xs[i].add(c));
@@ -414,12 +405,53 @@ fn gemm<T: WElem>(x: &[f32], m: usize, k: usize, w: &[T], n: usize, y: &mut [f32
         }
         return;
     }
+    // Misaligned rows make every vector load span two cache lines (~25% slower in cache); our
+    // buffers come from the allocator 16-byte aligned. x is copied once per call; a task's block
+    // of W only when enough rows of x reuse it (small M is bound by DRAM, not by loads).
+    XCOPY.with(|buf| match buf.try_borrow_mut() {
+        // SAFETY: `aligned` copies the m·k elements of x that the assert above bounds.
+        Ok(mut buf) => gemm_blocks(unsafe { aligned(&mut buf, x.as_ptr(), m * k, k) }, m, k, w, n, y, accumulate),
+        Err(_) => gemm_blocks(x.as_ptr(), m, k, w, n, y, accumulate),
+    })
+}
+
+thread_local! {
+    static XCOPY: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    static WCOPY: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Rows of x a task needs before its block of W is copied to aligned scratch.
+const ALIGN_W_MIN_ROWS: usize = 16;
+
+/// `src` if it is 64-byte aligned or its rows of `k` elements could not all be; else a copy of
+/// its `len` elements at the aligned start of `buf` (which grows once to the largest need).
+///
+/// # Safety
+/// `src..src + len` must be readable and stay unchanged while the result is used.
+unsafe fn aligned<T: Copy>(buf: &mut Vec<u8>, src: *const T, len: usize, k: usize) -> *const T {
+    let size = std::mem::size_of::<T>();
+    if (src as usize) % 64 == 0 || (k * size) % 64 != 0 {
+        return src;
+    }
+    if buf.len() < len * size + 64 {
+        buf.resize(len * size + 64, 0);
+    }
+    let off = buf.as_ptr().align_offset(64);
+    unsafe {
+        let dst = buf.as_mut_ptr().add(off) as *mut T;
+        std::ptr::copy_nonoverlapping(src, dst, len);
+        dst
+    }
+}
+
+/// `gemm` on x at `x` (m·k readable elements).
+fn gemm_blocks<T: WElem>(x: *const f32, m: usize, k: usize, w: &[T], n: usize, y: &mut [f32], accumulate: bool) {
     let isa = isa();
     let (mr, nr) = (mr_of(isa), NR);
-    let base = Block { x: x.as_ptr(), w: w.as_ptr(), y: y.as_mut_ptr(), k, n, rows: (0, m), cols: (0, n), accumulate };
+    let base = Block { x, w: w.as_ptr(), y: y.as_mut_ptr(), k, n, rows: (0, m), cols: (0, n), accumulate };
     let threads = rayon::current_num_threads();
     if threads == 1 || m * n * k < SEQ_WORK {
-        // SAFETY: one block covering all of y, on this thread; the asserts above bound x, W, y.
+        // SAFETY: one block covering all of y, on this thread; the caller bounds x, W, y.
         unsafe { run_block(isa, &base) };
         return;
     }
@@ -433,16 +465,22 @@ fn gemm<T: WElem>(x: &[f32], m: usize, k: usize, w: &[T], n: usize, y: &mut [f32
     (0..mblocks * nblocks).into_par_iter().for_each(|t| {
         let (bi, bj) = (t / nblocks, t % nblocks);
         let (xp, wp, yp) = (xp, wp, yp);
-        let b = Block {
-            x: xp.0,
-            w: wp.0,
-            y: yp.0 as *mut f32,
-            rows: (bi * bm, ((bi + 1) * bm).min(m)),
-            cols: (bj * bn, ((bj + 1) * bn).min(n)),
-            ..base
-        };
-        // SAFETY: tasks own disjoint rectangles of y; the asserts above bound x, W and y.
-        unsafe { run_block(isa, &b) };
+        let (rows, cols) = ((bi * bm, ((bi + 1) * bm).min(m)), (bj * bn, ((bj + 1) * bn).min(n)));
+        let b = Block { x: xp.0, w: wp.0, y: yp.0 as *mut f32, rows, cols, ..base };
+        if rows.1 - rows.0 < ALIGN_W_MIN_ROWS {
+            // SAFETY: tasks own disjoint rectangles of y; the caller bounds x, W and y.
+            return unsafe { run_block(isa, &b) };
+        }
+        WCOPY.with(|buf| match buf.try_borrow_mut() {
+            // SAFETY: as above; the copy holds W rows cols.0..cols.1, so columns are re-based
+            // to it and y is offset to match.
+            Ok(mut buf) => unsafe {
+                let wa = aligned(&mut buf, b.w.add(cols.0 * k), (cols.1 - cols.0) * k, k);
+                run_block(isa, &Block { w: wa, y: b.y.add(cols.0), cols: (0, cols.1 - cols.0), ..b })
+            },
+            // SAFETY: as above.
+            Err(_) => unsafe { run_block(isa, &b) },
+        });
     });
 }
 
@@ -495,9 +533,9 @@ mod tests {
     #[test]
     fn f32_and_bf16_match_f64_reference_on_odd_shapes() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
-        for m in 1..=37 {
-            let k = [1, 7, 15, 17, 33, 63, 129, 577][m % 8];
-            let n = [1, 3, 5, 13, 31, 67, 131][m % 7];
+        // Odd shapes, then shapes big enough for the parallel path and the aligned copies.
+        let odd = (1..=37).map(|m| (m, [1, 7, 15, 17, 33, 63, 129, 577][m % 8], [1, 3, 5, 13, 31, 67, 131][m % 7]));
+        for (m, k, n) in odd.chain([(40, 576, 37), (70, 64, 101), (17, 1536, 45)]) {
             let x = random(&mut rng, m * k);
             let w = random(&mut rng, n * k);
             let mut y = vec![f32::NAN; m * n];
@@ -621,10 +659,14 @@ mod tests {
         {
             // Kernel ceiling: one thread, everything in L1/L2.
             let (m, k, n) = (48, 256, 64);
-            let (x, w) = (random(&mut rng, m * k), random(&mut rng, n * k));
+            let (xv, wv) = (random(&mut rng, m * k + 64), random(&mut rng, n * k + 64));
             let mut y = vec![0.0; m * n];
+            for align in [false, true, false, true] {
+            let (xo, wo) = if align { (xv.as_ptr().align_offset(64), wv.as_ptr().align_offset(64)) } else { (xv.as_ptr().align_offset(64) + 4, wv.as_ptr().align_offset(64) + 4) };
+            let (x, w) = (&xv[xo..], &wv[wo..]);
+            eprintln!("aligned {align}");
             let b = Block { x: x.as_ptr(), w: w.as_ptr(), y: y.as_mut_ptr(), k, n, rows: (0, m), cols: (0, n), accumulate: false };
-            for _ in 0..3 {
+            for _ in 0..2 {
                 let t = std::time::Instant::now();
                 for _ in 0..2000 {
                     // SAFETY: one block over all of y.
@@ -632,6 +674,7 @@ mod tests {
                 }
                 let dt = t.elapsed().as_secs_f64() / 2000.0;
                 eprintln!("in-cache single thread: {:.1} GFLOP/s", 2.0 * (m * n * k) as f64 / dt / 1e9);
+            }
             }
         }
         let only: Option<usize> = std::env::var("GEMM_M").ok().and_then(|v| v.parse().ok());
