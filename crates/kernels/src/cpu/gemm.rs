@@ -430,7 +430,7 @@ const ALIGN_W_MIN_ROWS: usize = 16;
 /// `src..src + len` must be readable and stay unchanged while the result is used.
 unsafe fn aligned<T: Copy>(buf: &mut Vec<u8>, src: *const T, len: usize, k: usize) -> *const T {
     let size = std::mem::size_of::<T>();
-    if (src as usize) % 64 == 0 || (k * size) % 64 != 0 {
+    if (src as usize).is_multiple_of(64) || !(k * size).is_multiple_of(64) {
         return src;
     }
     if buf.len() < len * size + 64 {
@@ -514,6 +514,7 @@ mod tests {
     }
 
     /// Bound for a k-term f32 dot product against the exact value: k ulps of the sum of |terms|.
+    #[allow(clippy::too_many_arguments)]
     fn check(got: &[f32], want: &[f64], x: &[f32], w: &[f32], m: usize, k: usize, n: usize, what: &str) {
         for i in 0..m {
             for j in 0..n {
