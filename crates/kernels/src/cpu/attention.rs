@@ -2,7 +2,6 @@
 //! positions of its own sequence up to and including its own position.
 
 use crate::{AttnBatch, KvStorage, Tensor};
-use rayon::prelude::*;
 use std::cell::RefCell;
 
 thread_local! {
@@ -44,7 +43,9 @@ pub(super) fn paged_attention(qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorag
     let vc = kv.v[layer].as_cpu();
     let group = n_heads / nkv;
     let out = &mut out.as_cpu_mut()[..rows * n_heads * hd];
-    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+    // Work is proportional to the context each row attends to, not to the output size.
+    let work = b.positions.iter().map(|&p| p as usize + 1).sum::<usize>() * n_heads * hd;
+    super::for_rows_if(work >= super::PAR_MIN_ELEMS, out, hd, |idx, o| {
         let (r, h) = (idx / n_heads, idx % n_heads);
         let s = seq_of_row(b.seq_starts, r);
         let table = &b.block_tables[s * b.block_table_stride..];
@@ -56,25 +57,7 @@ pub(super) fn paged_attention(qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorag
             if sc.len() < ctx {
                 sc.resize(ctx, 0.0);
             }
-            let scores = &mut sc[..ctx];
-            let mut max = f32::NEG_INFINITY;
-            for (t, sv) in scores.iter_mut().enumerate() {
-                let slot = table[t / bs] as usize * bs + t % bs;
-                let k = &kc[slot * kvw + kvh * hd..slot * kvw + (kvh + 1) * hd];
-                *sv = super::simd::dot(q, k) * scale;
-                max = max.max(*sv);
-            }
-            let sum = super::simd::exp_shift_sum(scores, max);
-            let inv = 1.0 / sum;
-            o.fill(0.0);
-            for (t, &p) in scores.iter().enumerate() {
-                let slot = table[t / bs] as usize * bs + t % bs;
-                let v = &vc[slot * kvw + kvh * hd..slot * kvw + (kvh + 1) * hd];
-                let w = p * inv;
-                for (ov, &vv) in o.iter_mut().zip(v) {
-                    *ov += w * vv;
-                }
-            }
+            super::simd::attend_head(q, kc, vc, table, bs, kvw, kvh * hd, scale, &mut sc[..ctx], o);
         });
     });
 }

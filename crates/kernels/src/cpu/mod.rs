@@ -1,4 +1,4 @@
-//! CPU implementation of the device ops: faer for f32 GEMMs, hand-written loops elsewhere,
+//! CPU implementation of the device ops: our own GEMM (gemm.rs), hand-written loops elsewhere,
 //! threads through rayon. Scratch space comes from thread-local buffers that only grow, so a
 //! steady-state decode step allocates nothing.
 
@@ -23,6 +23,43 @@ impl CpuDevice {
 
 /// Rows per rayon task for row-wise elementwise ops: big enough to amortize scheduling.
 const ROW_CHUNK: usize = 8;
+
+/// Below this many elements a row-wise op runs on the calling thread: handing it to the pool
+/// and waking the caller back (~6 µs here) costs more than the op, and a decode step issues
+/// hundreds of them (all of a layer's small ops at 1–64 rows).
+const PAR_MIN_ELEMS: usize = 1 << 16;
+
+/// `f(row index, out row)` for every `row`-long row of `out`, in parallel only when the op is
+/// big enough to pay for it.
+fn for_rows(out: &mut [f32], row: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
+    for_rows_if(out.len() >= PAR_MIN_ELEMS, out, row, f)
+}
+
+/// `for_rows` with the choice made by the caller (`work` is not always the output size).
+fn for_rows_if(parallel: bool, out: &mut [f32], row: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
+    if !parallel {
+        out.chunks_mut(row).enumerate().for_each(|(i, o)| f(i, o));
+    } else {
+        out.par_chunks_mut(row * ROW_CHUNK).enumerate().for_each(|(c, o)| {
+            for (i, orow) in o.chunks_mut(row).enumerate() {
+                f(c * ROW_CHUNK + i, orow);
+            }
+        });
+    }
+}
+
+/// `for_rows` over two buffers with rows in step: `f(i, a row i, b row i)`.
+fn for_rows2(a: &mut [f32], arow: usize, b: &mut [f32], brow: usize, f: impl Fn(usize, &mut [f32], &mut [f32]) + Sync + Send) {
+    if a.len() < PAR_MIN_ELEMS {
+        a.chunks_mut(arow).zip(b.chunks_mut(brow)).enumerate().for_each(|(i, (x, y))| f(i, x, y));
+    } else {
+        a.par_chunks_mut(arow * ROW_CHUNK).zip(b.par_chunks_mut(brow * ROW_CHUNK)).enumerate().for_each(|(c, (x, y))| {
+            for (i, (xr, yr)) in x.chunks_mut(arow).zip(y.chunks_mut(brow)).enumerate() {
+                f(c * ROW_CHUNK + i, xr, yr);
+            }
+        });
+    }
+}
 
 fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
@@ -61,7 +98,7 @@ impl Device for CpuDevice {
         }
         if let Some(b) = bias {
             let b = b.as_cpu();
-            y.par_chunks_mut(n).for_each(|row| {
+            for_rows(y, n, |_, row| {
                 for (o, &bv) in row.iter_mut().zip(b) {
                     *o += bv;
                 }
@@ -72,18 +109,14 @@ impl Device for CpuDevice {
     fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) {
         let h = table.cols;
         let out = &mut out.as_cpu_mut()[..ids.len() * h];
-        out.par_chunks_mut(h).zip(ids.par_iter()).for_each(|(row, &id)| table.row_f32(id as usize, row));
+        for_rows(out, h, |i, row| table.row_f32(ids[i] as usize, row));
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
         let x = &x.as_cpu()[..rows * dim];
         let w = &w.as_cpu()[..dim];
         let out = &mut out.as_cpu_mut()[..rows * dim];
-        out.par_chunks_mut(dim * ROW_CHUNK).zip(x.par_chunks(dim * ROW_CHUNK)).for_each(|(o, xi)| {
-            for (orow, xrow) in o.chunks_mut(dim).zip(xi.chunks(dim)) {
-                rms_norm_row(xrow, w, eps, orow);
-            }
-        });
+        for_rows(out, dim, |i, orow| rms_norm_row(&x[i * dim..(i + 1) * dim], w, eps, orow));
     }
 
     fn add_rms_norm(&self, resid: &mut Tensor, delta: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
@@ -91,24 +124,19 @@ impl Device for CpuDevice {
         let r = &mut resid.as_cpu_mut()[..rows * dim];
         let d = &delta.as_cpu()[..rows * dim];
         let out = &mut out.as_cpu_mut()[..rows * dim];
-        out.par_chunks_mut(dim * ROW_CHUNK)
-            .zip(r.par_chunks_mut(dim * ROW_CHUNK))
-            .zip(d.par_chunks(dim * ROW_CHUNK))
-            .for_each(|((o, ri), di)| {
-                for ((orow, rrow), drow) in o.chunks_mut(dim).zip(ri.chunks_mut(dim)).zip(di.chunks(dim)) {
-                    for (a, b) in rrow.iter_mut().zip(drow) {
-                        *a += b;
-                    }
-                    rms_norm_row(rrow, w, eps, orow);
-                }
-            });
+        for_rows2(out, dim, r, dim, |i, orow, rrow| {
+            for (a, b) in rrow.iter_mut().zip(&d[i * dim..(i + 1) * dim]) {
+                *a += b;
+            }
+            rms_norm_row(rrow, w, eps, orow);
+        });
     }
 
     fn add_inplace(&self, resid: &mut Tensor, delta: &Tensor, len: usize) {
         let r = &mut resid.as_cpu_mut()[..len];
         let d = &delta.as_cpu()[..len];
-        r.par_chunks_mut(4096).zip(d.par_chunks(4096)).for_each(|(a, b)| {
-            for (x, y) in a.iter_mut().zip(b) {
+        for_rows(r, 4096, |i, a| {
+            for (x, y) in a.iter_mut().zip(&d[i * 4096..]) {
                 *x += y;
             }
         });
@@ -119,10 +147,11 @@ impl Device for CpuDevice {
         let width = (n_heads + 2 * n_kv_heads) * hd;
         let half = t.rotary_dim / 2;
         let qkv = &mut qkv.as_cpu_mut()[..rows * width];
-        qkv.par_chunks_mut(width).zip(positions.par_iter()).for_each(|(row, &pos)| {
-            let pos = (pos as usize).min(t.max_pos - 1);
-            let cos = &t.cos.as_cpu()[pos * half..(pos + 1) * half];
-            let sin = &t.sin.as_cpu()[pos * half..(pos + 1) * half];
+        let (cos_t, sin_t) = (t.cos.as_cpu(), t.sin.as_cpu());
+        for_rows(qkv, width, |i, row| {
+            let pos = (positions[i] as usize).min(t.max_pos - 1);
+            let cos = &cos_t[pos * half..(pos + 1) * half];
+            let sin = &sin_t[pos * half..(pos + 1) * half];
             // q heads then k heads are contiguous at the start of the fused row.
             for head in row[..(n_heads + n_kv_heads) * hd].chunks_mut(hd) {
                 let (a, b) = head[..t.rotary_dim].split_at_mut(half);
@@ -138,8 +167,8 @@ impl Device for CpuDevice {
     fn silu_mul(&self, gate_up: &Tensor, rows: usize, inter: usize, out: &mut Tensor) {
         let gu = &gate_up.as_cpu()[..rows * 2 * inter];
         let out = &mut out.as_cpu_mut()[..rows * inter];
-        out.par_chunks_mut(inter).zip(gu.par_chunks(2 * inter)).for_each(|(o, g)| {
-            let (gate, up) = g.split_at(inter);
+        for_rows(out, inter, |i, o| {
+            let (gate, up) = gu[i * 2 * inter..(i + 1) * 2 * inter].split_at(inter);
             simd::silu_mul(gate, up, o);
         });
     }

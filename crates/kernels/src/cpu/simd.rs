@@ -1,6 +1,8 @@
 //! Small vectorizable building blocks. Written as fixed-width lane arrays so LLVM vectorizes
-//! them; each public entry is compiled twice (baseline x86-64 and AVX2+FMA) and picks one at
-//! run time, so the binary stays portable while using the wide units where present.
+//! them; each public entry is compiled three times (baseline x86-64, AVX2+FMA, AVX-512) and picks
+//! one at run time, so the binary stays portable while using the wide units where present. The
+//! source fixes the order of every operation (no FMA contraction in Rust), so all three give the
+//! same results.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -37,19 +39,6 @@ fn dot_body(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// `y[i*ldy + j] = x_i · w_j` for `i < m`, `j < n`: the small-batch (decode) GEMM. Each weight row
-/// is streamed from memory once and reused for all `m` input rows from cache, with no packing
-/// (packing costs more than the product when `m` is small).
-#[inline(always)]
-fn small_m_body(x: &[f32], m: usize, k: usize, w: &[f32], rows: std::ops::Range<usize>, y: &mut [f32], ldy: usize, col0: usize) {
-    for j in rows {
-        let wr = &w[j * k..(j + 1) * k];
-        for i in 0..m {
-            y[i * ldy + j - col0] = dot_body(&x[i * k..(i + 1) * k], wr);
-        }
-    }
-}
-
 #[inline(always)]
 fn silu_mul_body(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
@@ -76,49 +65,107 @@ fn exp_shift_sum_body(s: &mut [f32], max: f32) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        super::dot_body(a, b)
+/// Attention of one query head over `scores.len()` cached positions of a paged cache:
+/// `o = softmax(scale · q·K) · V`. Position t of the sequence is in slot
+/// `table[t / bs] * bs + t % bs`; its key for this head is `kc[slot * kvw + koff..][..q.len()]`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn attend_head_body(q: &[f32], kc: &[f32], vc: &[f32], table: &[u32], bs: usize, kvw: usize, koff: usize, scale: f32, scores: &mut [f32], o: &mut [f32]) {
+    let hd = q.len();
+    let mut max = f32::NEG_INFINITY;
+    for (t, sv) in scores.iter_mut().enumerate() {
+        let at = (table[t / bs] as usize * bs + t % bs) * kvw + koff;
+        *sv = dot_body(q, &kc[at..at + hd]) * scale;
+        max = max.max(*sv);
     }
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn small_m(x: &[f32], m: usize, k: usize, w: &[f32], rows: std::ops::Range<usize>, y: &mut [f32], ldy: usize, col0: usize) {
-        super::small_m_body(x, m, k, w, rows, y, ldy, col0)
-    }
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-        super::silu_mul_body(gate, up, out)
-    }
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn exp_shift_sum(s: &mut [f32], max: f32) -> f32 {
-        super::exp_shift_sum_body(s, max)
+    let inv = 1.0 / exp_shift_sum_body(scores, max);
+    o.fill(0.0);
+    for (t, &p) in scores.iter().enumerate() {
+        let at = (table[t / bs] as usize * bs + t % bs) * kvw + koff;
+        let w = p * inv;
+        for (ov, &vv) in o.iter_mut().zip(&vc[at..at + hd]) {
+            *ov += w * vv;
+        }
     }
 }
 
-fn has_avx2() -> bool {
+/// The public entries compiled for one instruction set (same source, so the same results).
+macro_rules! isa_module {
+    ($m:ident, $feat:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $m {
+            #[target_feature(enable = $feat)]
+            pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+                super::dot_body(a, b)
+            }
+            #[target_feature(enable = $feat)]
+            pub unsafe fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+                super::silu_mul_body(gate, up, out)
+            }
+            #[target_feature(enable = $feat)]
+            pub unsafe fn exp_shift_sum(s: &mut [f32], max: f32) -> f32 {
+                super::exp_shift_sum_body(s, max)
+            }
+            #[allow(clippy::too_many_arguments)]
+            #[target_feature(enable = $feat)]
+            pub unsafe fn attend_head(q: &[f32], kc: &[f32], vc: &[f32], table: &[u32], bs: usize, kvw: usize, koff: usize, scale: f32, scores: &mut [f32], o: &mut [f32]) {
+                super::attend_head_body(q, kc, vc, table, bs, kvw, koff, scale, scores, o)
+            }
+        }
+    };
+}
+isa_module!(avx2, "avx2,fma");
+isa_module!(avx512, "avx512f,avx2,fma");
+
+/// The widest instruction set this CPU offers that the kernels use, detected once per process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512F + AVX2 + FMA.
+    Avx512,
+    /// AVX2 + FMA.
+    Avx2,
+    /// Baseline code for the target.
+    Portable,
+}
+
+pub fn isa() -> Isa {
     static STATE: AtomicU8 = AtomicU8::new(0);
     match STATE.load(Ordering::Relaxed) {
-        1 => false,
-        2 => true,
+        1 => Isa::Portable,
+        2 => Isa::Avx2,
+        3 => Isa::Avx512,
         _ => {
             #[cfg(target_arch = "x86_64")]
-            let yes = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            let found = match (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"), is_x86_feature_detected!("avx512f")) {
+                (true, true) => Isa::Avx512,
+                (true, false) => Isa::Avx2,
+                _ => Isa::Portable,
+            };
             #[cfg(not(target_arch = "x86_64"))]
-            let yes = false;
-            STATE.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
-            yes
+            let found = Isa::Portable;
+            STATE.store(
+                match found {
+                    Isa::Portable => 1,
+                    Isa::Avx2 => 2,
+                    Isa::Avx512 => 3,
+                },
+                Ordering::Relaxed,
+            );
+            found
         }
     }
 }
 
 macro_rules! dispatch {
     ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        #[allow(clippy::too_many_arguments)]
         pub fn $name($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
-            if has_avx2() {
-                // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-                return unsafe { avx2::$name($($arg),*) };
+            match isa() {
+                // SAFETY: the CPU supports the module's features (checked at run time).
+                Isa::Avx512 => return unsafe { avx512::$name($($arg),*) },
+                Isa::Avx2 => return unsafe { avx2::$name($($arg),*) },
+                Isa::Portable => {}
             }
             $body($($arg),*)
         }
@@ -128,15 +175,7 @@ macro_rules! dispatch {
 dispatch!(dot, dot_body, (a: &[f32], b: &[f32]) -> f32);
 dispatch!(silu_mul, silu_mul_body, (gate: &[f32], up: &[f32], out: &mut [f32]) -> ());
 dispatch!(exp_shift_sum, exp_shift_sum_body, (s: &mut [f32], max: f32) -> f32);
-#[allow(clippy::too_many_arguments)]
-pub fn small_m(x: &[f32], m: usize, k: usize, w: &[f32], rows: std::ops::Range<usize>, y: &mut [f32], ldy: usize, col0: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-        return unsafe { avx2::small_m(x, m, k, w, rows, y, ldy, col0) };
-    }
-    small_m_body(x, m, k, w, rows, y, ldy, col0)
-}
+dispatch!(attend_head, attend_head_body, (q: &[f32], kc: &[f32], vc: &[f32], table: &[u32], bs: usize, kvw: usize, koff: usize, scale: f32, scores: &mut [f32], o: &mut [f32]) -> ());
 
 #[cfg(test)]
 mod tests {
@@ -157,21 +196,10 @@ mod tests {
     }
 
     #[test]
-    fn dot_and_small_m_match_naive() {
+    fn dot_matches_naive() {
         let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
         let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
         let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
         assert!((dot(&a, &b) as f64 - want).abs() < 1e-5);
-        let (m, k, n) = (3, 37, 5);
-        let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.3).sin()).collect();
-        let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.7).cos()).collect();
-        let mut y = vec![f32::NAN; m * n];
-        small_m(&x, m, k, &w, 0..n, &mut y, n, 0);
-        for i in 0..m {
-            for j in 0..n {
-                let want: f64 = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum();
-                assert!((y[i * n + j] as f64 - want).abs() < 1e-4);
-            }
-        }
     }
 }
