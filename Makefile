@@ -4,7 +4,7 @@ export QUIVER_CACHE := $(CACHE)
 CARGO ?= cargo
 QUIVER := target/release/quiver
 
-.PHONY: demo test test-data test-server build model venv clean-refs
+.PHONY: demo test test-data test-server check-cuda build model venv clean-refs
 
 demo: model build
 	python3 scripts/demo.py
@@ -12,6 +12,12 @@ demo: model build
 test: test-data
 	$(CARGO) test --release --workspace
 	$(MAKE) test-server
+	$(MAKE) check-cuda
+
+# The CUDA device builds everywhere (CUDA is loaded at run time); its tests need a GPU and run
+# through scripts/gpu-check.sh on one, so CI compiles them only.
+check-cuda:
+	$(CARGO) check --workspace --tests --features quiver/cuda,quiver-engine/cuda
 
 build:
 	$(CARGO) build --release -p quiver
