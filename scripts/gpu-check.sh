@@ -34,15 +34,26 @@ step kernel-tests .gpu/bin/cuda_kernels --ignored --test-threads 1 --nocapture
 step parity-tests .gpu/bin/cuda_parity --ignored --test-threads 1 --nocapture
 step bench-8b .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
     --prompt-len 2048 --batch-sizes 1,4,16,64,256 --decode-steps 32 --reps 3 --output-json "$DATA/bench-llama8b.json"
-# Where the time goes, per op (GPU time between op ends, so launch gaps show): a prefill-heavy
-# and a decode-heavy run.
-QUIVER_CUDA_PROFILE=1 step profile-prefill .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
-    --prompt-len 2048 --batch-sizes 1 --decode-steps 1 --reps 1
-# Decode without CUDA graphs, for the same-run comparison.
-QUIVER_CUDA_GRAPHS=0 step decode-eager .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
-    --prompt-len 16 --batch-sizes 1,4 --decode-steps 64 --reps 3
-grep decode "$LOGS/decode-eager.log" | sed 's/^/eager (no graphs): /'
-for p in prefill; do echo "--- profile $p"; grep -B1 -A12 "CUDA profile" "$LOGS/profile-$p.log"; grep pp2048 "$LOGS/profile-$p.log"; done
+# Where the time goes, per op (GPU time between op ends, so launch gaps show), prefill-heavy.
+# Set GPU_CHECK_PROFILE=0 to skip.
+if [ "${GPU_CHECK_PROFILE:-1}" = 1 ]; then
+    QUIVER_CUDA_PROFILE=1 step profile-prefill .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
+        --prompt-len 2048 --batch-sizes 1 --decode-steps 1 --reps 1
+    grep -B1 -A12 "CUDA profile" "$LOGS/profile-prefill.log"
+fi
+# The server on the GPU: start, one completion over HTTP, stop.
+serve_smoke() {
+    .gpu/bin/quiver serve --device cuda --dtype bf16 --model "$DATA/models/llama-gpu" --port 8765 > "$LOGS/serve.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 120); do curl -sf localhost:8765/health >/dev/null && break; sleep 1; done
+    curl -sf localhost:8765/v1/completions -H 'content-type: application/json' \
+        -d '{"model": "llama-gpu", "prompt": [101, 2001, 3001, 4001], "max_tokens": 8, "temperature": 0}'
+    local rc=$?
+    kill $pid; wait $pid
+    return $rc
+}
+step serve-smoke serve_smoke
+tail -n 1 "$LOGS/serve-smoke.log"; echo
 cp "$DATA"/bench-llama8b.json "$DATA"/ceilings.json "$OUT"/ 2>/dev/null
 grep -hE "rel err|max \|Δlogprob\||identical|diverge" "$LOGS/kernel-tests.log" "$LOGS/parity-tests.log" > "$OUT/accuracy.txt" 2>/dev/null
 grep -E "test result|panicked" "$LOGS/kernel-tests.log" "$LOGS/parity-tests.log"

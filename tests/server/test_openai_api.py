@@ -497,6 +497,44 @@ def sglang_native(S):
 
 
 @test
+def bench_serve_counts_match_server(S):
+    """`quiver bench serve` against this server: the report has every field, and its request and
+    token counts equal what the server accounted from the same requests (its /metrics counters,
+    which are fed by the `usage` it returned)."""
+    def counters():
+        fams = {f.name: f for f in text_string_to_metric_families(S.get("/metrics").text)}
+        return {k: sum(x.value for x in fams[k].samples if x.name.endswith("_total"))
+                for k in ["vllm:prompt_tokens", "vllm:generation_tokens"]}
+    before = counters()
+    out = os.path.join(tempfile.mkdtemp(prefix="quiver-bench-"), "report.json")
+    n, in_len, out_len = 8, 24, 10
+    cmd = [S.cmd[0], "bench", "serve", "--base-url", S.base, "--api-key", API_KEY, "--lora-names", "a", "c",
+           "--lora-distribution", "uniform", "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--random-range-ratio", "1",
+           "--num-prompts", str(n), "--max-concurrency", "4", "--ignore-eos", "--seed", "5", "--no-progress",
+           "--output-json", out]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    check(r.returncode == 0, r.stderr[-2000:])
+    check("Serving Benchmark Result" in r.stdout, r.stdout[-1000:])
+    rep = json.load(open(out))
+    s = rep  # the metrics are flattened into the top level
+    for k in ["num_requests", "completed", "failed", "errors", "duration_s", "total_input_tokens", "total_output_tokens",
+              "request_throughput", "input_throughput", "output_throughput", "total_token_throughput",
+              "peak_output_throughput", "concurrency", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "per_adapter"]:
+        check(k in s, f"summary lacks {k}: {sorted(s)}")
+    for k in ["mean", "median", "p90", "p99"]:
+        check(k in s["ttft_ms"] and k in s["e2el_ms"], s["ttft_ms"])
+    check(s["num_requests"] == n and s["completed"] == n and s["failed"] == 0, s)
+    after = counters()
+    gen = after["vllm:generation_tokens"] - before["vllm:generation_tokens"]
+    pre = after["vllm:prompt_tokens"] - before["vllm:prompt_tokens"]
+    check(s["total_output_tokens"] == gen == n * out_len, (s["total_output_tokens"], gen))
+    check(s["total_input_tokens"] == pre == n * in_len, (s["total_input_tokens"], pre))
+    per = {a["adapter"]: a for a in s["per_adapter"]}
+    check(sum(a["completed"] for a in per.values()) == n and {"a", "c"} <= set(per), per.keys())
+    check(s["ttft_ms"]["median"] > 0 and s["output_throughput"] > 0, s["ttft_ms"])
+
+
+@test
 def client_disconnect_cancels(S):
     # Start a long stream, read one chunk, drop the connection; the server must stay healthy and
     # the request must leave the running set.

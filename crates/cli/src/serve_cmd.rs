@@ -80,6 +80,10 @@ pub struct ServeArgs {
     /// KV cache size, bytes (suffixes K, M, G accepted).
     #[arg(long)]
     pub kv_cache_memory: Option<String>,
+    /// On a GPU without --kv-cache-memory: fraction of the device's memory Quiver may hold once
+    /// the KV pool is allocated (default 0.9).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
     #[arg(long)]
     pub max_queued_requests: Option<usize>,
     /// fcfs or lpm.
@@ -168,6 +172,9 @@ pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
     }
     if let Some(v) = a.chunked_prefill_size {
         c.chunked_prefill_size = v;
+    }
+    if let Some(v) = a.gpu_memory_utilization {
+        c.gpu_memory_utilization = v;
     }
     if let Some(v) = &a.kv_cache_memory {
         c.kv_cache_memory = Some(parse_bytes(v)?);

@@ -42,6 +42,10 @@ pub struct EngineConfig {
     /// KV pool size in bytes; `None` = 30% of available memory, at most 4 GiB and at most what
     /// `max_running_requests` full-length sequences need.
     pub kv_cache_memory: Option<usize>,
+    /// On a device with its own memory (GPU) and no `kv_cache_memory`: the fraction of the
+    /// device's total memory Quiver may hold once the KV pool is allocated (vLLM's
+    /// `--gpu-memory-utilization`); the pool gets what is free below that line.
+    pub gpu_memory_utilization: f64,
     /// Tokens per KV block.
     pub block_size: usize,
     /// Requests accepted but not yet running; beyond it `submit` fails with `QueueFull`.
@@ -69,6 +73,7 @@ impl Default for EngineConfig {
             max_num_batched_tokens: 2048,
             chunked_prefill_size: 512,
             kv_cache_memory: None,
+            gpu_memory_utilization: 0.9,
             block_size: 16,
             max_queued_requests: 1024,
             schedule_policy: SchedulePolicy::Fcfs,
@@ -88,6 +93,9 @@ impl EngineConfig {
         pos(self.chunked_prefill_size, "chunked_prefill_size")?;
         pos(self.block_size, "block_size")?;
         pos(self.max_queued_requests, "max_queued_requests")?;
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            return Err(format!("gpu_memory_utilization must be in (0, 1], got {}", self.gpu_memory_utilization));
+        }
         if self.max_num_batched_tokens < self.max_running_requests {
             return Err(format!(
                 "max_num_batched_tokens ({}) must be at least max_running_requests ({}) so every running sequence can decode each step",

@@ -129,7 +129,10 @@ impl Engine {
         let num_blocks = match cfg.kv_cache_memory {
             Some(b) => b / bpb,
             None => {
-                let budget = mem_available().map_or(1 << 30, |m| m * 3 / 10).min(4 << 30);
+                let budget = match model.device.memory_info() {
+                    Some((free, total)) => free.saturating_sub(((1.0 - cfg.gpu_memory_utilization.clamp(0.0, 1.0)) * total as f64) as usize),
+                    None => mem_available().map_or(1 << 30, |m| m * 3 / 10).min(4 << 30),
+                };
                 let need = cfg.max_running_requests * max_model_len.div_ceil(bs) + 1;
                 (budget / bpb).min(need)
             }

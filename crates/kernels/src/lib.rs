@@ -253,6 +253,11 @@ pub trait Device: Send + Sync {
     fn load_weight(&self, w: Weight) -> Weight {
         w
     }
+    /// `(free, total)` bytes of the device's own memory, for devices that have one (the CPU
+    /// shares host memory and says `None`).
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        None
+    }
     /// Bytes per K/V element in the caches this device allocates.
     fn kv_elem_bytes(&self) -> usize {
         4

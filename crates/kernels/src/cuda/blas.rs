@@ -17,10 +17,20 @@ pub struct Blas {
 }
 
 impl Blas {
-    pub fn new(stream: sys::CUstream) -> Result<Self> {
+    /// A handle on `stream`, with `workspace` = (device pointer, bytes) when given (owned by the
+    /// caller, alive as long as the handle): with its own workspace cuBLAS allocates nothing per
+    /// call, which is what lets its GEMMs be recorded into CUDA graphs.
+    pub fn new(stream: sys::CUstream, workspace: Option<(u64, usize)>) -> Result<Self> {
         let handle = cublas::create_handle().map_err(|e| anyhow::anyhow!("{e:?}")).context("creating a cuBLAS handle")?;
-        // SAFETY: a valid handle and stream of the current context.
+        // SAFETY: a valid handle and stream of the current context; the workspace is a live
+        // device allocation of `bytes`.
         unsafe { cublas::set_stream(handle, stream as cs::cudaStream_t) }.map_err(|e| anyhow::anyhow!("cublasSetStream: {e:?}"))?;
+        if let Some((ptr, bytes)) = workspace {
+            let st = unsafe { cs::cublasSetWorkspace_v2(handle, ptr as *mut c_void, bytes) };
+            if st != cs::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                anyhow::bail!("cublasSetWorkspace: {st:?}");
+            }
+        }
         Ok(Blas { handle })
     }
 

@@ -99,6 +99,16 @@ struct Kernels {
 /// for a 16-row cuBLAS step (each warp re-reads the x rows per W load), so only single-row
 /// steps use it for now.
 const GEMV_MAX_M: usize = 1;
+/// cuBLAS workspace (NVIDIA's recommendation for Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
+/// Largest decode step that may be recorded as a CUDA graph (`QUIVER_CUDA_GRAPH_MAX_ROWS` up to
+/// this). The default records single-row steps only: that is what was measured and validated on
+/// the H200. Multi-row steps (cuBLAS under capture, with its preset workspace) are written but
+/// not yet validated on a GPU, so they are opt-in.
+const GRAPH_MAX_ROWS: usize = 256;
+/// Largest GEMM input width a recorded step may need: the bf16 input scratch is sized for it
+/// before recording, since growing it inside a recording is not allowed.
+const GRAPH_MAX_K: usize = 1 << 16;
 /// Rows the GEMV kernels are instantiated for (`gemv_bf16_1..8` in kernels.cu).
 const GEMV_KERNELS: usize = 8;
 /// Query rows per block of the tiled prefill attention (`PQ` in kernels.cu).
@@ -148,8 +158,8 @@ struct Profiler {
 struct Graphs {
     generation: u64,
     execs: Vec<(u64, sys::CUgraphExec)>,
-    /// Set after a capture failed: every step then runs eagerly.
-    disabled: bool,
+    /// Shapes whose recording failed: they run eagerly.
+    failed: Vec<u64>,
 }
 
 impl Graphs {
@@ -161,14 +171,18 @@ impl Graphs {
     }
 }
 
-/// Most shapes kept: decode batches of 1..=8 rows with a few logits layouts.
-const MAX_GRAPHS: usize = 64;
+/// Most shapes kept (a decode batch shape per running-sequence count, plus a few logits layouts);
+/// past that, new shapes run eagerly.
+const MAX_GRAPHS: usize = 320;
 
 pub struct CudaDevice {
     ordinal: usize,
     ctx: Arc<CudaContext>,
     stream: sys::CUstream,
     blas: blas::Blas,
+    /// cuBLAS's own workspace when multi-row steps may be recorded (declared after `blas` so the
+    /// handle is destroyed first); otherwise cuBLAS manages its workspace itself.
+    _blas_workspace: Option<DevBuf>,
     k: Kernels,
     _module: Arc<CudaModule>,
     state: Mutex<State>,
@@ -179,6 +193,7 @@ pub struct CudaDevice {
     split_gemm: bool,
     /// Replays of recorded steps; `None` when disabled (`QUIVER_CUDA_GRAPHS=0`, or profiling).
     graphs: Option<Mutex<Graphs>>,
+    graph_max_rows: usize,
 }
 
 // SAFETY: the raw stream and function handles are used only under the device's discipline
@@ -306,7 +321,9 @@ impl CudaDevice {
             },
         };
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking).context("creating a CUDA stream")?;
-        let blas = blas::Blas::new(stream)?;
+        let graph_max_rows = std::env::var("QUIVER_CUDA_GRAPH_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).min(GRAPH_MAX_ROWS);
+        let blas_workspace = if graph_max_rows > GEMV_MAX_M { Some(DevBuf::zeroed(&ctx, BLAS_WORKSPACE)?) } else { None };
+        let blas = blas::Blas::new(stream, blas_workspace.as_ref().map(|w| (w.ptr, w.bytes)))?;
         let state = State {
             host_meta: Vec::new(),
             meta: DevBuf::zeroed(&ctx, 0)?,
@@ -319,7 +336,7 @@ impl CudaDevice {
         let profiler = std::env::var_os("QUIVER_CUDA_PROFILE").filter(|v| v != "0").map(|_| Mutex::new(Profiler::default()));
         let split_gemm = std::env::var_os("QUIVER_CUDA_SPLIT_GEMM").is_some_and(|v| v != "0");
         let graphs = (profiler.is_none() && std::env::var_os("QUIVER_CUDA_GRAPHS").is_none_or(|v| v != "0")).then(|| Mutex::new(Graphs::default()));
-        Ok(CudaDevice { ordinal, ctx, stream, blas, k, _module: module, state: Mutex::new(state), name, profiler, split_gemm, graphs })
+        Ok(CudaDevice { ordinal, ctx, stream, blas, _blas_workspace: blas_workspace, k, _module: module, state: Mutex::new(state), name, profiler, split_gemm, graphs, graph_max_rows })
     }
 
     pub fn name(&self) -> &str {
@@ -500,6 +517,11 @@ impl Device for CudaDevice {
         2
     }
 
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        self.bind();
+        result::mem_get_info().ok()
+    }
+
     fn alloc_kv(&self, layout: KvLayout) -> KvStorage {
         let mk = || Tensor::from_cuda(DevBuf::zeroed(&self.ctx, layout.layer_len() * 2).unwrap_or_else(|e| panic!("KV cache on {}: {e:#}", self.name)));
         KvStorage { layout, k: (0..layout.num_layers).map(|_| mk()).collect(), v: (0..layout.num_layers).map(|_| mk()).collect() }
@@ -515,20 +537,32 @@ impl Device for CudaDevice {
         }
     }
 
-    /// Steps of at most [`GEMV_MAX_M`] rows (decode) are recorded as a CUDA graph the first time
-    /// their shape is seen and replayed after: one launch per step instead of ~10 per layer.
-    /// Issuing launches bounds eager decode on the H200 VM (7.8 ms of host issue time per 8B
-    /// step against microseconds of waiting); replay took batch-1 decode from 157 to 169 tok/s.
-    /// Larger steps run eagerly (their cuBLAS calls may allocate workspace, which a capture
-    /// forbids; capturing them is the next step).
+    /// Pure decode steps (one row per sequence, at most `graph_max_rows`) are recorded as a
+    /// CUDA graph the first time their shape is seen and replayed after: one launch per step
+    /// instead of ~10 per layer. Issuing launches bounds eager decode on the H200 VM (7.8 ms of
+    /// host issue time per 8B step against microseconds of waiting); replay took batch-1 decode
+    /// from 157 to 169 tok/s. Prefill steps run eagerly: their shapes rarely repeat.
     fn run_step(&self, rows: usize, shape: Option<u64>, body: &mut dyn FnMut()) {
         let (Some(graphs), Some(key)) = (&self.graphs, shape) else { return body() };
-        if rows == 0 || rows > GEMV_MAX_M {
+        if rows == 0 || rows > self.graph_max_rows {
             return body();
         }
         self.bind();
+        let decode = {
+            let mut st = self.state.lock().unwrap();
+            let decode = st.tiles.1 == rows; // otherwise some sequence brings several rows: prefill
+            if decode && rows > GEMV_MAX_M {
+                // Size the GEMM input scratch now: it may not grow while recording.
+                let per_elem = if self.split_gemm { 4 } else { 2 };
+                self.grow(&mut st.xbf, rows * GRAPH_MAX_K * per_elem);
+            }
+            decode
+        }; // the ops in `body` take the state lock themselves
+        if !decode {
+            return body();
+        }
         let mut g = graphs.lock().unwrap();
-        if g.disabled {
+        if g.failed.contains(&key) {
             return body();
         }
         let generation = ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst);
@@ -542,10 +576,13 @@ impl Device for CudaDevice {
             unsafe { result::graph::launch(exec, self.stream) }.unwrap_or_else(|e| panic!("CUDA graph launch on {}: {e:?}", self.name));
             return;
         }
-        // Record. A failure anywhere leaves the step unexecuted: run it eagerly and stop trying.
+        if g.execs.len() >= MAX_GRAPHS {
+            return body();
+        }
+        // Record. A failure leaves the step unexecuted: run it eagerly, and this shape always.
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         if unsafe { result::stream::begin_capture(self.stream, mode) }.is_err() {
-            g.disabled = true;
+            g.failed.push(key);
             return body();
         }
         body();
@@ -557,15 +594,15 @@ impl Device for CudaDevice {
         let exec = match exec {
             Ok(e) => e,
             Err(e) => {
-                tracing::warn!("CUDA graph capture failed on {} ({e:?}); decode steps run eagerly from now on", self.name);
-                g.disabled = true;
+                tracing::warn!("CUDA graph capture of a {rows}-row step failed on {} ({e:?}); that shape runs eagerly", self.name);
+                g.failed.push(key);
                 return body();
             }
         };
         unsafe { result::graph::launch(exec, self.stream) }.unwrap_or_else(|e| panic!("CUDA graph launch on {}: {e:?}", self.name));
-        if ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst) != generation || g.execs.len() >= MAX_GRAPHS {
-            // Something was allocated while recording (its address is baked in but may move), or
-            // the cache is full: use this recording once only.
+        if ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst) != generation {
+            // Something was allocated while recording (its address is baked in but may move):
+            // use this recording once only.
             self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
             let _ = unsafe { result::graph::exec_destroy(exec) };
         } else {
