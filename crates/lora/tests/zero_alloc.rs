@@ -43,8 +43,8 @@ fn steady_state_steps_do_not_allocate() {
         let mut m = LoraManager::new(DIMS, cfg, DeviceKind::Cpu).unwrap();
         let a = m.load_adapter("a", simple_adapter("za", 1, 8, &LoraModule::ALL)).unwrap();
         let b = m.load_adapter("b", simple_adapter("zb", 2, 3, &LoraModule::ALL)).unwrap();
-        // A prefill below the parallel threshold and a decode batch, alternating; then a big
-        // prefill that takes the rayon path.
+        // A prefill and a decode batch, alternating, on one thread; then a big prefill on the
+        // global pool, where the backends fan out with rayon.
         let prefill = (vec![Some(a), None, Some(b)], vec![0u32, 100, 150, 250], vec![99u32, 149, 249]);
         let big = (vec![Some(a), None, Some(b)], vec![0u32, 150, 200, 330], vec![149u32, 199, 329]);
         let decode_seqs: Vec<_> = (0..24).map(|i| [Some(a), Some(b), None][i % 3]).collect();
@@ -64,17 +64,21 @@ fn steady_state_steps_do_not_allocate() {
             }
             hook.lm_head(&quiver_kernels::cpu::CpuDevice::new(), &x, logits, &mut y);
         };
-        for _ in 0..3 {
-            step(&mut m, &prefill);
-            step(&mut m, &decode);
-        }
-        COUNT.store(0, Ordering::SeqCst);
-        ON.store(true, Ordering::SeqCst);
-        for _ in 0..10 {
-            step(&mut m, &prefill);
-            step(&mut m, &decode);
-        }
-        ON.store(false, Ordering::SeqCst);
+        // Serial path (one worker thread, as on a 1-core machine): not a single allocation.
+        let serial = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        serial.install(|| {
+            for _ in 0..3 {
+                step(&mut m, &prefill);
+                step(&mut m, &decode);
+            }
+            COUNT.store(0, Ordering::SeqCst);
+            ON.store(true, Ordering::SeqCst);
+            for _ in 0..10 {
+                step(&mut m, &prefill);
+                step(&mut m, &decode);
+            }
+            ON.store(false, Ordering::SeqCst);
+        });
         assert_eq!(COUNT.load(Ordering::SeqCst), 0, "backend {backend} allocated in steady state");
         // Rayon path: our code allocates nothing, but rayon's global injector queue allocates
         // one block per 63 injected jobs (crossbeam-deque), so allow that amortized trickle.

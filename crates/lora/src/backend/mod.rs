@@ -58,25 +58,12 @@ pub trait LoraBackend: Send + Sync {
     fn apply(&self, site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y: &mut [f32], scratch: &mut Scratch);
 }
 
-/// Dot product with 8 independent accumulators so the compiler can vectorize it.
+/// The kernels crate's dot product: vectorized for the CPU's widest instruction set (chosen once
+/// per process), with a fixed accumulation order, so a row's delta does not depend on which
+/// rows share its GEMM.
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0.0f32; 8];
-    let ca = a.chunks_exact(8);
-    let cb = b.chunks_exact(8);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
+    quiver_kernels::cpu::simd::dot(a, b)
 }
 
 /// `y[rows, n] (row stride ldy) (+)= alpha · x[rows, k] (stride ldx) · w[n, k] (stride ldw)ᵀ`.

@@ -11,9 +11,11 @@ use crate::mem_pool::SiteView;
 
 pub struct SegmentedBackend;
 
-/// Rows per parallel block, and the adapter-row count from which rayon pays for itself.
+/// Largest rows per parallel block, and the adapter-row count from which rayon pays for itself
+/// (a decode step of 16 rows already does: the adapters' weights are read once per step either
+/// way, and two threads read them twice as fast).
 const BLOCK_ROWS: usize = 64;
-const PARALLEL_MIN_ROWS: usize = 256;
+const PARALLEL_MIN_ROWS: usize = 8;
 
 fn run_block(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, lo: usize, hi: usize, y: &mut [f32], shrink: &mut [f32]) {
     let ld = site.n_slices * site.max_rank;
@@ -47,15 +49,19 @@ impl LoraBackend for SegmentedBackend {
         }
         let ld = site.n_slices * site.max_rank;
         let out = site.out_dim;
-        if group.adapter_rows >= PARALLEL_MIN_ROWS && rayon::current_num_threads() > 1 {
+        let threads = rayon::current_num_threads();
+        if group.adapter_rows >= PARALLEL_MIN_ROWS && threads > 1 {
             ensure(&mut scratch.shrink, m * ld);
+            // Blocks split segments at row boundaries only; every element is computed the same
+            // way whatever block it lands in.
+            let block = m.div_ceil(threads).clamp(4, BLOCK_ROWS);
             y[..m * out]
-                .par_chunks_mut(BLOCK_ROWS * out)
-                .zip(scratch.shrink[..m * ld].par_chunks_mut(BLOCK_ROWS * ld))
+                .par_chunks_mut(block * out)
+                .zip(scratch.shrink[..m * ld].par_chunks_mut(block * ld))
                 .enumerate()
                 .for_each(|(b, (yb, sb))| {
-                    let lo = b * BLOCK_ROWS;
-                    run_block(site, group, input, lo, (lo + BLOCK_ROWS).min(m), yb, sb);
+                    let lo = b * block;
+                    run_block(site, group, input, lo, (lo + block).min(m), yb, sb);
                 });
         } else {
             // Sequential: one scratch block sized for the longest segment.
