@@ -10,9 +10,9 @@
 
 mod common;
 
-use common::{log_softmax, max_logprob_delta, oracle_manager, prompt, RefCase, RefFile};
+use common::{alone, log_softmax, max_logprob_delta, oracle_manager, prompt, RefCase, RefFile};
 use quiver_engine::testing::{temp_dir, write_random_adapter};
-use quiver_engine::{AdapterLora, BaseOnly, Engine, EngineConfig, GenerateOptions, GenerateRequest, Generator, SamplingParams};
+use quiver_engine::{BaseOnly, Engine, EngineConfig, GenerateRequest, Generator};
 use quiver_kernels::{open_device, DType, DeviceKind};
 use quiver_lora::LoraModule;
 use quiver_model::{load_model, LoadedModel};
@@ -37,23 +37,12 @@ fn read_ref(name: &str) -> RefFile {
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
 }
 
-fn greedy(g: &mut Generator<'_>, prompt: &[u32], n: usize) -> Vec<u32> {
-    let opts = GenerateOptions { max_tokens: n, sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 256 };
-    let mut out = Vec::new();
-    g.generate(prompt, &opts, &mut BaseOnly, |t| {
-        out.push(t);
-        true
-    })
-    .unwrap();
-    out
-}
-
 fn first_divergence(a: &[u32], b: &[u32]) -> Option<usize> {
     a.iter().zip(b).position(|(x, y)| x != y).or((a.len() != b.len()).then_some(a.len().min(b.len())))
 }
 
-/// Scores every case against `cases` and compares greedy continuations with `want(case)`;
-/// prints one line per case and asserts the tolerances.
+/// Scores every case against its reference top-20 and compares greedy continuations with the
+/// reference's; prints one line per case and asserts the tolerances.
 fn check_cases(label: &str, lm: &LoadedModel, cases: &[RefCase]) {
     let vocab = lm.model.config.vocab_size;
     let mut g = Generator::new(&lm.model, 2048);
@@ -63,7 +52,7 @@ fn check_cases(label: &str, lm: &LoadedModel, cases: &[RefCase]) {
         all.extend(&case.continuation_ids);
         let logits = g.score(&all, &mut BaseOnly).unwrap();
         let (d, pos) = max_logprob_delta(case, &logits, vocab);
-        let got = greedy(&mut g, &case.prompt_ids, case.continuation_ids.len());
+        let got = alone(&lm.model, None, &case.prompt_ids, case.continuation_ids.len(), &[]);
         let div = first_divergence(&got, &case.continuation_ids);
         if div.is_none() {
             same += 1;
@@ -103,7 +92,7 @@ fn cuda_bf16_matches_cpu_f32_on_smollm2_shaped_weights() {
         .cases
         .into_iter()
         .map(|c| {
-            let cont = greedy(&mut g, &c.prompt_ids, 32);
+            let cont = alone(&cpu.model, None, &c.prompt_ids, 32, &[]);
             let mut all = c.prompt_ids.clone();
             all.extend(&cont);
             let logits = g.score(&all, &mut BaseOnly).unwrap();
@@ -172,18 +161,10 @@ fn engine_batched_equals_alone_on_cuda() {
     let got: Vec<_> = streams.into_iter().map(|s| s.collect_blocking()).collect();
     h.shutdown_and_join();
 
-    let mut g = Generator::new(&oracle_lm.model, 1024);
-    let opts = GenerateOptions { max_tokens, sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 512 };
     let mut diverged = Vec::new();
     for (i, ((p, a), c)) in cases.iter().zip(&got).enumerate() {
         assert!(c.error.is_none(), "request {i}: {:?}", c.error);
-        let mut want = Vec::new();
-        let mut lora = AdapterLora { manager: &mut oracle, key: a.map(|a| keys[a]) };
-        g.generate(p, &opts, &mut lora, |t| {
-            want.push(t);
-            true
-        })
-        .unwrap();
+        let want = alone(&oracle_lm.model, a.map(|a| (&mut oracle, keys[a])), p, max_tokens, &[]);
         if let Some(pos) = first_divergence(&c.tokens[0], &want) {
             // bf16 GEMMs of different batch shapes round differently, which can flip a near-tie.
             // Anything else (a row reading another row's KV or adapter) shows as a large gap.

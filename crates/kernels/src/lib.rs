@@ -258,6 +258,11 @@ pub trait Device: Send + Sync {
     fn memory_info(&self) -> Option<(usize, usize)> {
         None
     }
+    /// Whether this device's attention kernels handle heads of `head_dim`; checked when a model
+    /// is loaded, so an unsupported model is refused up front instead of failing mid-step.
+    fn check_head_dim(&self, _head_dim: usize) -> Result<(), String> {
+        Ok(())
+    }
     /// Bytes per K/V element in the caches this device allocates.
     fn kv_elem_bytes(&self) -> usize {
         4

@@ -7,30 +7,22 @@
 use quiver_kernels::cpu::CpuDevice;
 use quiver_kernels::cuda::CudaDevice;
 use quiver_kernels::{AttnBatch, DType, Device, KvLayout, RopeTable, Tensor, Weight};
+use rand::{rngs::StdRng, Rng as _, SeedableRng};
 
-struct Rng(u64);
+/// Fresh seed per run (printed, so a failure can be replayed).
+struct Rng(StdRng);
 
 impl Rng {
     fn fresh(tag: &str) -> Self {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-        let seed = t ^ (tag.len() as u64).wrapping_mul(0x9e3779b97f4a7c15);
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
         eprintln!("{tag}: seed {seed}");
-        Rng(seed | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        Rng(StdRng::seed_from_u64(seed))
     }
     fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f() * scale).collect()
+        (0..n).map(|_| self.0.random_range(-1.0f32..1.0) * scale).collect()
     }
     fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        self.0.random_range(0..n)
     }
 }
 

@@ -34,19 +34,10 @@ impl ForwardBatch {
     /// sequence layout, block-table size, which rows produce logits. Token ids, positions and
     /// block numbers are data and do not enter it.
     pub fn shape_key(&self) -> u64 {
-        let mut h: u64 = 0xcbf29ce484222325;
-        let mut mix = |x: u64| {
-            h ^= x;
-            h = h.wrapping_mul(0x100000001b3);
-        };
-        mix(self.tokens.len() as u64);
-        mix(self.block_tables.len() as u64);
-        mix(self.block_table_stride as u64);
-        mix(self.seq_starts.len() as u64);
-        self.seq_starts.iter().for_each(|&s| mix(s as u64));
-        mix(self.logits_rows.len() as u64);
-        self.logits_rows.iter().for_each(|&r| mix(r as u64 | 1 << 40));
-        h
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        let mut h = DefaultHasher::new();
+        (self.tokens.len(), self.block_tables.len(), self.block_table_stride, &self.seq_starts, &self.logits_rows).hash(&mut h);
+        h.finish()
     }
 
     pub fn with_capacity(max_tokens: usize, max_seqs: usize, block_table_stride: usize) -> Self {

@@ -99,6 +99,8 @@ struct Kernels {
 /// for a 16-row cuBLAS step (each warp re-reads the x rows per W load), so only single-row
 /// steps use it for now.
 const GEMV_MAX_M: usize = 1;
+/// Largest head the attention kernels hold in registers (`MAX_DPL` × 32 in kernels.cu).
+const MAX_HEAD_DIM: usize = 256;
 /// cuBLAS workspace (NVIDIA's recommendation for Hopper).
 const BLAS_WORKSPACE: usize = 32 << 20;
 /// Largest decode step that may be recorded as a CUDA graph (`QUIVER_CUDA_GRAPH_MAX_ROWS` up to
@@ -236,18 +238,15 @@ fn cache_dir() -> PathBuf {
     home.join(".cache").join("quiver").join("kernels")
 }
 
-fn fnv1a(data: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for &b in data {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    h
-}
-
 /// PTX for `arch`, from the disk cache or freshly compiled by NVRTC.
 fn kernels_ptx(arch: &str) -> Result<String> {
-    let key = fnv1a(format!("{arch}\n{KERNELS_SRC}").as_bytes());
+    // A toolchain change may change the hash: that only costs one recompilation.
+    let key = {
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        let mut h = DefaultHasher::new();
+        (arch, KERNELS_SRC).hash(&mut h);
+        h.finish()
+    };
     let path = cache_dir().join(format!("quiver-{key:016x}-{arch}.ptx"));
     if let Ok(s) = std::fs::read_to_string(&path) {
         return Ok(s);
@@ -517,6 +516,13 @@ impl Device for CudaDevice {
         2
     }
 
+    fn check_head_dim(&self, head_dim: usize) -> Result<(), String> {
+        if head_dim == 0 || head_dim > MAX_HEAD_DIM || head_dim % 2 != 0 {
+            return Err(format!("head_dim {head_dim} is not supported on CUDA (even, at most {MAX_HEAD_DIM})"));
+        }
+        Ok(())
+    }
+
     fn memory_info(&self) -> Option<(usize, usize)> {
         self.bind();
         result::mem_get_info().ok()
@@ -722,7 +728,7 @@ impl Device for CudaDevice {
             return;
         }
         let l = kv.layout;
-        assert!(l.head_dim <= 256, "head_dim {} > 256 is not supported on CUDA", l.head_dim);
+        debug_assert!(l.head_dim <= MAX_HEAD_DIM, "refused at load by check_head_dim");
         let mut st = self.state.lock().unwrap();
         let rs = self.row_seq_ptr(&mut st, b);
         let pp = self.meta_ptr(&mut st, b.positions);
