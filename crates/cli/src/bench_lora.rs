@@ -1,6 +1,9 @@
-//! `quiver bench lora`: what LoRA costs in a batched decode step of the real model. For each
-//! backend and rank, times the same decode step with N rows spread over D distinct adapters on
-//! all seven projections, against the base model alone, in one run (ratios, medians).
+//! `quiver bench lora`, in two parts:
+//! - `kernels` (bench_lora_kernels.rs): shrink + expand per backend over rows × adapters × ranks
+//!   on SmolLM2- and Llama-8B-shaped layers, against this machine's peaks;
+//! - `step`: what LoRA costs in a batched decode step of the real model. For each backend and
+//!   rank, times the same decode step with N rows spread over D distinct adapters on all seven
+//!   projections, against the base model alone, in one run (ratios, medians).
 
 use crate::model_path;
 use anyhow::Result;
@@ -18,7 +21,22 @@ pub struct BenchLoraArgs {
     pub model: Option<PathBuf>,
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
-    /// Decode rows in the step.
+    /// Which parts to run: kernels, step, or all.
+    #[arg(long, default_value = "all")]
+    pub part: String,
+    /// Kernel part: layer shapes (smollm2, llama8b).
+    #[arg(long, value_delimiter = ',', default_value = "smollm2,llama8b")]
+    pub shapes: Vec<String>,
+    /// Kernel part: rows in the batch.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256,512")]
+    pub kernel_rows: Vec<usize>,
+    /// Kernel part: distinct adapters among the rows.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+    pub kernel_adapters: Vec<usize>,
+    /// Kernel part: timed repetitions per point (median reported).
+    #[arg(long, default_value_t = 7)]
+    pub kernel_reps: usize,
+    /// Step part: decode rows in the step.
     #[arg(long, value_delimiter = ',', default_value = "16,64")]
     pub rows: Vec<usize>,
     /// Distinct adapters among the rows.
@@ -28,8 +46,8 @@ pub struct BenchLoraArgs {
     pub ranks: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "segmented,chunked,auto")]
     pub backends: Vec<String>,
-    /// Timed steps per measurement; the median step time is reported.
-    #[arg(long, default_value_t = 15)]
+    /// Timed (base, LoRA) step pairs; medians of the times and of the per-pair ratios.
+    #[arg(long, default_value_t = 31)]
     pub steps: usize,
     #[arg(long)]
     pub output_json: Option<PathBuf>,
@@ -61,20 +79,37 @@ fn setup(m: &LlamaModel, n: usize) -> Step {
     Step { kv, ws, batch }
 }
 
-fn median_step_ms(m: &LlamaModel, st: &mut Step, steps: usize, hook: &dyn LoraHook) -> f64 {
+fn step_ms(m: &LlamaModel, st: &mut Step, hook: &dyn LoraHook) -> f64 {
+    let t0 = Instant::now();
     m.forward(&st.batch, &mut st.kv, &mut st.ws, hook);
-    let mut t: Vec<f64> = (0..steps)
-        .map(|_| {
-            let t0 = Instant::now();
-            m.forward(&st.batch, &mut st.kv, &mut st.ws, hook);
-            t0.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    t.sort_by(|a, b| a.total_cmp(b));
-    t[t.len() / 2]
+    t0.elapsed().as_secs_f64() * 1e3
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
 }
 
 pub fn run(a: BenchLoraArgs) -> Result<()> {
+    if !["all", "kernels", "step"].contains(&a.part.as_str()) {
+        anyhow::bail!("--part must be kernels, step or all (got `{}`)", a.part);
+    }
+    let mut kernels = Vec::new();
+    if a.part != "step" {
+        let ka = crate::bench_lora_kernels::KernelArgs { shapes: &a.shapes, rows: &a.kernel_rows, adapters: &a.kernel_adapters, ranks: &a.ranks, backends: &a.backends, reps: a.kernel_reps };
+        kernels = crate::bench_lora_kernels::run(&ka)?;
+    }
+    let mut out = Vec::new();
+    if a.part != "kernels" {
+        out = run_step(&a)?;
+    }
+    if let Some(p) = &a.output_json {
+        std::fs::write(p, serde_json::to_string_pretty(&serde_json::json!({"bench": "lora", "kernels": kernels, "results": out}))?)?;
+    }
+    Ok(())
+}
+
+fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
     let path = model_path::resolve(a.model.clone())?;
     let lm = load_model(&path, open_device(DeviceKind::Cpu)?, a.dtype)?;
     let m = &lm.model;
@@ -98,26 +133,27 @@ pub fn run(a: BenchLoraArgs) -> Result<()> {
             for &n in &a.rows {
                 let mut st = setup(m, n);
                 let seq: Vec<Option<AdapterKey>> = (0..n).map(|i| Some(keys[i % keys.len()])).collect();
-                // Interleave base and LoRA measurements so drift in machine load hits both.
-                let mut base = Vec::new();
-                let mut lora = Vec::new();
-                for _ in 0..3 {
-                    base.push(median_step_ms(m, &mut st, a.steps, &NoLora));
-                    let (starts, rows) = (st.batch.seq_starts.clone(), st.batch.logits_rows.clone());
-                    let hook = mgr.prepare_batch(&seq, &starts, &rows)?;
-                    lora.push(median_step_ms(m, &mut st, a.steps, &hook));
+                let (starts, rows) = (st.batch.seq_starts.clone(), st.batch.logits_rows.clone());
+                let hook = mgr.prepare_batch(&seq, &starts, &rows)?;
+                // Base and LoRA steps alternate, and the cost is the median of the per-pair
+                // ratios: load from other processes (this machine is shared) drifts slowly
+                // compared with one step, so each pair sees nearly the same machine.
+                step_ms(m, &mut st, &NoLora);
+                step_ms(m, &mut st, &hook);
+                let (mut base, mut lora, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+                for _ in 0..a.steps {
+                    let b = step_ms(m, &mut st, &NoLora);
+                    let l = step_ms(m, &mut st, &hook);
+                    base.push(b);
+                    lora.push(l);
+                    ratio.push(l / b);
                 }
-                base.sort_by(|x, y| x.total_cmp(y));
-                lora.sort_by(|x, y| x.total_cmp(y));
-                let (b, l) = (base[1], lora[1]);
-                println!("{:<10} {:>5} {:>5} {:>10.2} {:>10.2} {:>+7.1}%", backend, rank, n, b, l, (l / b - 1.0) * 100.0);
-                out.push(serde_json::json!({"backend": backend, "rank": rank, "rows": n, "adapters": a.adapters, "base_ms": b, "lora_ms": l, "cost_pct": (l / b - 1.0) * 100.0}));
+                let (b, l, r) = (median(base), median(lora), median(ratio));
+                println!("{:<10} {:>5} {:>5} {:>10.2} {:>10.2} {:>+7.1}%", backend, rank, n, b, l, (r - 1.0) * 100.0);
+                out.push(serde_json::json!({"backend": backend, "rank": rank, "rows": n, "adapters": a.adapters, "base_ms": b, "lora_ms": l, "cost_pct": (r - 1.0) * 100.0}));
             }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    if let Some(p) = a.output_json {
-        std::fs::write(p, serde_json::to_string_pretty(&serde_json::json!({"bench": "lora", "results": out}))?)?;
-    }
-    Ok(())
+    Ok(out)
 }

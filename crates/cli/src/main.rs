@@ -4,6 +4,7 @@ mod bench_cmd;
 mod bench_engine;
 mod bench_generate;
 mod bench_lora;
+mod bench_lora_kernels;
 mod generate_cmd;
 mod model_path;
 mod serve_cmd;

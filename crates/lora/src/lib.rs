@@ -21,10 +21,10 @@
 //! Packed, rank-exact per site. For slot `w`, layer `l`, site with `n` slices (qkv 3, gate_up 2,
 //! others 1), the pool stores a *site rank* `r = ranks[w][l][site]` (the largest rank of the
 //! slices present; 0 when the adapter lacks the whole site). Slice `j`'s `lora_A` occupies A rows
-//! `[j·r, j·r + r_j)` of `A[w]` (`(n·R, in)`), its `lora_B` occupies columns `[0, r_j)` of rows
-//! `off_j..off_{j+1}` of `B[w]` (`(out, R)`).
+//! `[j·r, j·r + r_j)` of `A[w]` (`(n·R, in)`), its `lora_B`, transposed, occupies rows `[0, r_j)`
+//! and columns `off_j..off_{j+1}` of `Bᵀ[w]` (`(R, out)`).
 //!
-//! **Invariant:** every other element of a slot (A rows and B columns beyond a slice's rank,
+//! **Invariant:** every other element of a slot (A rows and Bᵀ rows beyond a slice's rank,
 //! slices and sites the adapter lacks, the whole tail up to `R`) is zero, because loading a slot
 //! first zeroes it. Kernels contract over exactly `r` (never the padded `R`), so mixed ranks
 //! cost nothing extra; the zeroed tail makes a kernel that did contract over `R` still correct

@@ -1,10 +1,14 @@
 //! The LoRA memory pool: `S` slots of max rank `R`, allocated once, per layer and site:
-//! - qkv: A `(S, 3R, hidden)`, B `(S, q_out + 2·kv_out, R)`
-//! - o: A `(S, R, q_out)`, B `(S, hidden, R)`
-//! - gate_up: A `(S, 2R, hidden)`, B `(S, 2·inter, R)`
-//! - down: A `(S, R, inter)`, B `(S, hidden, R)`
-//! - embedding (one, not per layer): A `(S, R, vocab)`, B `(S, hidden, R)`
-//! - lm_head: A `(S, R, hidden)`, B `(S, vocab, R)`
+//! - qkv: A `(S, 3R, hidden)`, Bᵀ `(S, R, q_out + 2·kv_out)`
+//! - o: A `(S, R, q_out)`, Bᵀ `(S, R, hidden)`
+//! - gate_up: A `(S, 2R, hidden)`, Bᵀ `(S, R, 2·inter)`
+//! - down: A `(S, R, inter)`, Bᵀ `(S, R, hidden)`
+//! - embedding (one, not per layer): A `(S, R, vocab)`, Bᵀ `(S, R, hidden)`
+//! - lm_head: A `(S, R, hidden)`, Bᵀ `(S, R, vocab)`
+//!
+//! B is stored transposed (PEFT's `lora_B` is `(out, r)`) so the expand walks contiguous output
+//! columns: each rank step is a vector multiply-add over a run of `y`, instead of one short
+//! rank-long dot product per output element.
 //!
 //! A site's buffers exist only if one of its projections is a configured target (vocab-sized
 //! buffers are large). Slot layout and its zero-tail invariant: see the crate docs. Slot
@@ -84,7 +88,7 @@ impl<'a> SiteView<'a> {
         let len = self.n_slices * self.max_rank * self.in_dim;
         &self.a[w * len..(w + 1) * len]
     }
-    /// B of slot `w`: `(out, R)`.
+    /// Bᵀ of slot `w`: `(R, out)`; rank step `k` of output column `o` at `k·out + o`.
     #[inline]
     pub fn b_slot(&self, w: usize) -> &'a [f32] {
         let len = self.out_dim * self.max_rank;
@@ -297,9 +301,11 @@ impl LoraMemoryPool {
                 let rj = w.rank;
                 let row0 = j * r_site;
                 a[row0 * buf.in_dim..(row0 + rj) * buf.in_dim].copy_from_slice(&w.a);
-                for o in 0..(buf.offsets[j + 1] - buf.offsets[j]) {
-                    let dst = (buf.offsets[j] + o) * rmax;
-                    b[dst..dst + rj].copy_from_slice(&w.b[o * rj..(o + 1) * rj]);
+                let (o0, out) = (buf.offsets[j], buf.out_dim);
+                for o in 0..(buf.offsets[j + 1] - o0) {
+                    for k in 0..rj {
+                        b[k * out + o0 + o] = w.b[o * rj + k];
+                    }
                 }
                 scalings[(entry * s + slot) * MAX_SLICES + j] = w.scaling;
             }

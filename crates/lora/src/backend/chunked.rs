@@ -1,6 +1,7 @@
 //! Chunked SGMV on CPU: adapter rows sorted by slot through the stable permutation, split into
-//! chunks of one slot; per chunk the input rows are gathered, shrunk and expanded with GEMMs,
-//! then scatter-added back to their rows. Rows never move in `y`. Best for decode, where
+//! chunks of one slot; per chunk the input rows are gathered and shrunk with one GEMM, and the
+//! expand adds straight into the rows' places in `y` through the permutation. Rows never move
+//! in `y`. Best for decode, where
 //! adjacent rows have different adapters and segments are one row long.
 
 use super::{ensure, expand_rows, gemm_nt, LoraBackend, LoraInput, Scratch};
@@ -13,14 +14,14 @@ pub struct ChunkedBackend;
 /// Adapter rows from which the chunks run on several threads.
 const PARALLEL_MIN_ROWS: usize = 8;
 
-/// Rows `perm[lo..hi]` (all of slot `w`): gather, shrink, expand, scatter-add into `y`.
-/// `gathered`, `shrink` and `expanded` are this piece's own scratch (rows `0..hi-lo`).
+/// Rows `perm[lo..hi]` (all of slot `w`): gather, shrink, expand-add into `y`.
+/// `gathered` and `shrink` are this piece's own scratch (rows `0..hi-lo`).
 ///
 /// # Safety
 /// `y` points at the step's `[rows, out]` output; no other piece touches the rows listed in
 /// `perm[lo..hi]` (each row belongs to exactly one chunk, and pieces split chunks).
 #[allow(clippy::too_many_arguments)]
-unsafe fn run_piece(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, w: usize, lo: usize, hi: usize, y: *mut f32, gathered: &mut [f32], shrink: &mut [f32], expanded: &mut [f32]) {
+unsafe fn run_piece(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, w: usize, lo: usize, hi: usize, y: *mut f32, gathered: &mut [f32], shrink: &mut [f32]) {
     let (din, out) = (site.in_dim, site.out_dim);
     let ld = site.n_slices * site.max_rank;
     let r = site.ranks[w] as usize;
@@ -45,14 +46,8 @@ unsafe fn run_piece(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'
             }
         }
     }
-    expand_rows(site, w, r, shrink, n, expanded, out, false);
-    for (i, &p) in rows.iter().enumerate() {
-        // SAFETY: row p is this piece's alone (see above) and lies inside y.
-        let yr = unsafe { std::slice::from_raw_parts_mut(y.add(p as usize * out), out) };
-        for (d, s) in yr.iter_mut().zip(&expanded[i * out..(i + 1) * out]) {
-            *d += *s;
-        }
-    }
+    // SAFETY: the rows in perm[lo..hi] are this piece's alone (see above) and lie inside y.
+    unsafe { expand_rows(site, w, r, shrink, n, y, out, Some(rows)) };
 }
 
 #[derive(Clone, Copy)]
@@ -68,13 +63,12 @@ impl LoraBackend for ChunkedBackend {
         if group.adapter_rows == 0 {
             return;
         }
-        let (din, out) = (site.in_dim, site.out_dim);
+        let din = site.in_dim;
         let ld = site.n_slices * site.max_rank;
         // Scratch is laid out by position in the permutation, so any split of the chunks into
         // pieces gets disjoint scratch rows.
         let total = group.adapter_rows;
         ensure(&mut scratch.shrink, total * ld);
-        ensure(&mut scratch.expanded, total * out);
         if matches!(input, LoraInput::Dense(_)) {
             ensure(&mut scratch.gathered, total * din);
         }
@@ -82,22 +76,21 @@ impl LoraBackend for ChunkedBackend {
         // Pieces: each chunk cut into runs of at most `piece` rows.
         let piece = if threads > 1 && total >= PARALLEL_MIN_ROWS { total.div_ceil(threads).max(1) } else { usize::MAX };
         let yp = SyncPtr(y.as_mut_ptr());
-        let Scratch { shrink, gathered, expanded } = scratch;
-        let (sp, gp, ep) = (SyncPtr(shrink.as_mut_ptr()), SyncPtr(gathered.as_mut_ptr()), SyncPtr(expanded.as_mut_ptr()));
+        let Scratch { shrink, gathered } = scratch;
+        let (sp, gp) = (SyncPtr(shrink.as_mut_ptr()), SyncPtr(gathered.as_mut_ptr()));
         let run = |c: usize, lo: usize, hi: usize| {
             let w = group.chunk_slot[c] as usize;
             if site.ranks[w] == 0 {
                 return;
             }
-            let (yp, sp, gp, ep) = (yp, sp, gp, ep);
+            let (yp, sp, gp) = (yp, sp, gp);
             let (o, n) = (lo, hi - lo);
             // SAFETY: scratch rows o..o+n belong to this piece (disjoint across pieces, sized to
             // all adapter rows above); y rows of this piece are its own (run_piece's contract).
             unsafe {
                 let g = if matches!(input, LoraInput::Dense(_)) { std::slice::from_raw_parts_mut(gp.0.add(o * din), n * din) } else { &mut [][..] };
                 let sh = std::slice::from_raw_parts_mut(sp.0.add(o * ld), n * ld);
-                let ex = std::slice::from_raw_parts_mut(ep.0.add(o * out), n * out);
-                run_piece(site, group, input, w, lo, hi, yp.0, g, sh, ex);
+                run_piece(site, group, input, w, lo, hi, yp.0, g, sh);
             }
         };
         if piece == usize::MAX {

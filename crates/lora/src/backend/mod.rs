@@ -40,8 +40,6 @@ pub struct Scratch {
     pub shrink: Vec<f32>,
     /// Gathered input rows (chunked).
     pub gathered: Vec<f32>,
-    /// Expand output before the scatter-add (chunked).
-    pub expanded: Vec<f32>,
 }
 
 pub(crate) fn ensure(v: &mut Vec<f32>, len: usize) {
@@ -58,47 +56,11 @@ pub trait LoraBackend: Send + Sync {
     fn apply(&self, site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y: &mut [f32], scratch: &mut Scratch);
 }
 
-/// The kernels crate's dot product: vectorized for the CPU's widest instruction set (chosen once
-/// per process), with a fixed accumulation order, so a row's delta does not depend on which
-/// rows share its GEMM.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    quiver_kernels::cpu::simd::dot(a, b)
-}
-
-/// `y[rows, n] (row stride ldy) (+)= alpha · x[rows, k] (stride ldx) · w[n, k] (stride ldw)ᵀ`.
-///
-/// Own kernel rather than faer: LoRA GEMMs have one tiny dimension (the rank), and faer
-/// 0.24.4 corrupted the heap on strided row-major destinations with one row (caught by
-/// `gemm_nt_matches_naive_and_stays_in_bounds`). Four input rows share each weight row load.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_nt(y: &mut [f32], ldy: usize, x: &[f32], ldx: usize, w: &[f32], ldw: usize, rows: usize, n: usize, k: usize, alpha: f32, add: bool) {
-    if rows == 0 || n == 0 {
-        return;
-    }
-    let mut r = 0;
-    while r + 4 <= rows {
-        let xs = [&x[r * ldx..r * ldx + k], &x[(r + 1) * ldx..(r + 1) * ldx + k], &x[(r + 2) * ldx..(r + 2) * ldx + k], &x[(r + 3) * ldx..(r + 3) * ldx + k]];
-        for c in 0..n {
-            let wr = &w[c * ldw..c * ldw + k];
-            for (i, xr) in xs.iter().enumerate() {
-                let d = alpha * dot(xr, wr);
-                let o = &mut y[(r + i) * ldy + c];
-                *o = if add { *o + d } else { d };
-            }
-        }
-        r += 4;
-    }
-    while r < rows {
-        let xr = &x[r * ldx..r * ldx + k];
-        for c in 0..n {
-            let d = alpha * dot(xr, &w[c * ldw..c * ldw + k]);
-            let o = &mut y[r * ldy + c];
-            *o = if add { *o + d } else { d };
-        }
-        r += 1;
-    }
-}
+/// The kernels crate's `y (+)= alpha · x · wᵀ` for LoRA shapes (one tiny dimension, the rank):
+/// vectorized for the CPU's widest instruction set, four input rows per weight-row load, and
+/// each element computed the same way whatever rows share the call (a row's delta never depends
+/// on its batch).
+use quiver_kernels::cpu::simd::gemm_nt;
 
 /// Shrink of rows `[lo, hi)` (contiguous) into `shrink` rows `0..hi-lo` (stride `n·R`).
 pub(crate) fn shrink_rows(site: &SiteView<'_>, w: usize, r: usize, input: LoraInput<'_>, lo: usize, hi: usize, shrink: &mut [f32]) {
@@ -119,15 +81,20 @@ pub(crate) fn shrink_rows(site: &SiteView<'_>, w: usize, r: usize, input: LoraIn
     }
 }
 
-/// Expand of `rows` shrink rows (stride `n·R`) into `y` rows (stride `ldy`, starting at the
-/// slice offsets), every slice with its own scaling.
+/// Expand of `rows` shrink rows (stride `n·R`) added into `y` rows (stride `ldy`, row `i` at
+/// `idx[i]`, or `i` without `idx`), every slice with its own scaling.
+///
+/// # Safety
+/// The addressed `y` rows (`out_dim` wide) are valid for writes and nobody else touches them
+/// during the call.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn expand_rows(site: &SiteView<'_>, w: usize, r: usize, shrink: &[f32], rows: usize, y: &mut [f32], ldy: usize, add: bool) {
+pub(crate) unsafe fn expand_rows(site: &SiteView<'_>, w: usize, r: usize, shrink: &[f32], rows: usize, y: *mut f32, ldy: usize, idx: Option<&[u32]>) {
     let ld = site.n_slices * site.max_rank;
-    let b = site.b_slot(w);
+    let bt = site.b_slot(w);
     for j in 0..site.n_slices {
         let (o0, o1) = (site.offsets[j], site.offsets[j + 1]);
-        gemm_nt(&mut y[o0..], ldy, &shrink[j * r..], ld, &b[o0 * site.max_rank..], site.max_rank, rows, o1 - o0, r, site.scaling(w, j), add);
+        // SAFETY: y + o0 rows stay inside the caller's rows (o1 ≤ out_dim).
+        unsafe { quiver_kernels::cpu::simd::lora_expand(y.add(o0), ldy, idx, rows, &shrink[j * r..], ld, &bt[o0..], site.out_dim, r, o1 - o0, site.scaling(w, j)) };
     }
 }
 
@@ -207,48 +174,6 @@ impl LoraBackend for AutoBackend {
             SegmentedBackend.apply(site, group, input, y, scratch)
         } else {
             ChunkedBackend.apply(site, group, input, y, scratch)
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::gemm_nt;
-
-    /// `gemm_nt` on strided sub-matrices against naive loops, with guard bands that must stay
-    /// untouched (the expand writes into the middle of wider rows).
-    #[test]
-    fn gemm_nt_matches_naive_and_stays_in_bounds() {
-        let mut seed = 1u32;
-        let mut rnd = || {
-            seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
-            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        };
-        for &(rows, n, k) in &[(1, 1, 1), (1, 20, 3), (5, 12, 7), (17, 53, 16), (33, 36, 2), (64, 20, 48), (3, 1, 20)] {
-            for add in [false, true] {
-                let (ldy, ldx, ldw) = (n + 3, k + 2, k + 5);
-                let x: Vec<f32> = (0..rows * ldx).map(|_| rnd()).collect();
-                let w: Vec<f32> = (0..n * ldw).map(|_| rnd()).collect();
-                let guard = 1234.5f32;
-                let mut y = vec![guard; rows * ldy + 8];
-                for r in 0..rows {
-                    for c in 0..n {
-                        y[1 + r * ldy + c] = 0.25;
-                    }
-                }
-                let mut want = y.clone();
-                for r in 0..rows {
-                    for c in 0..n {
-                        let d: f32 = (0..k).map(|i| x[r * ldx + i] * w[c * ldw + i]).sum();
-                        let v = &mut want[1 + r * ldy + c];
-                        *v = if add { *v + 0.5 * d } else { 0.5 * d };
-                    }
-                }
-                gemm_nt(&mut y[1..], ldy, &x, ldx, &w, ldw, rows, n, k, 0.5, add);
-                for (i, (a, b)) in y.iter().zip(&want).enumerate() {
-                    assert!((a - b).abs() < 1e-4, "({rows},{n},{k},{add}) at {i}: {a} vs {b}");
-                }
-            }
         }
     }
 }

@@ -34,7 +34,9 @@ fn run_block(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, lo:
         let (p0, p1) = (s0.max(lo), s1.min(hi));
         let sh = &mut shrink[(p0 - lo) * ld..];
         shrink_rows(site, w, r, input, p0, p1, sh);
-        expand_rows(site, w, r, sh, p1 - p0, &mut y[(p0 - lo) * site.out_dim..], site.out_dim, true);
+        let yb = &mut y[(p0 - lo) * site.out_dim..(p1 - lo) * site.out_dim];
+        // SAFETY: rows p0..p1 of this block, borrowed mutably above.
+        unsafe { expand_rows(site, w, r, sh, p1 - p0, yb.as_mut_ptr(), site.out_dim, None) };
     }
 }
 
@@ -74,7 +76,9 @@ impl LoraBackend for SegmentedBackend {
                     continue;
                 }
                 shrink_rows(site, w, r, input, s0, s1, &mut scratch.shrink);
-                expand_rows(site, w, r, &scratch.shrink, s1 - s0, &mut y[s0 * out..], out, true);
+                let ys = &mut y[s0 * out..s1 * out];
+                // SAFETY: the segment's rows, borrowed mutably above.
+                unsafe { expand_rows(site, w, r, &scratch.shrink, s1 - s0, ys.as_mut_ptr(), out, None) };
             }
         }
     }
