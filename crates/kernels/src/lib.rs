@@ -8,6 +8,7 @@
 //! Conventions: activations are f32, row-major `[rows, cols]`. Linear weights are `[out, in]`
 //! (PyTorch order) so `y = x · Wᵀ`. Computation accumulates in f32 whatever the weight dtype.
 
+pub mod aligned;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -122,8 +123,9 @@ impl Tensor {
 
 /// Element data of a weight matrix.
 pub enum WeightData {
-    F32(Vec<f32>),
-    Bf16(Vec<half::bf16>),
+    /// Host memory, cache-line aligned (see [`aligned`]).
+    F32(aligned::AlignedVec<f32>),
+    Bf16(aligned::AlignedVec<half::bf16>),
     /// In device memory, in the given dtype.
     #[cfg(feature = "cuda")]
     Cuda(cuda::DevBuf, DType),
@@ -140,8 +142,8 @@ impl Weight {
     pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>, dtype: DType) -> Self {
         assert_eq!(data.len(), rows * cols, "weight data does not match its shape");
         let data = match dtype {
-            DType::F32 => WeightData::F32(data),
-            DType::Bf16 => WeightData::Bf16(data.iter().map(|&x| half::bf16::from_f32(x)).collect()),
+            DType::F32 => WeightData::F32(aligned::AlignedVec::from_slice(&data)),
+            DType::Bf16 => WeightData::Bf16(aligned::AlignedVec::from_slice(&data.iter().map(|&x| half::bf16::from_f32(x)).collect::<Vec<_>>())),
         };
         Weight { rows, cols, data }
     }

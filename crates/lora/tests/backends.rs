@@ -28,6 +28,10 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], y0: &[f32]) {
     assert!(err <= 1e-5 * scale.max(1.0), "{what}: max abs error {err} vs delta scale {scale}");
 }
 
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
+}
+
 /// Checks all sites of the last prepared batch: every backend vs reference.
 fn check_all(mgr: &LoraManager, rng: &mut StdRng, ids: &[u32], ctx: &str) -> usize {
     let info = mgr.batch_info();
@@ -53,10 +57,16 @@ fn check_all(mgr: &LoraManager, rng: &mut StdRng, ids: &[u32], ctx: &str) -> usi
         let y0: Vec<f32> = (0..rows * v.out_dim).map(|_| rng.random_range(-1.0..1.0)).collect();
         let input = if is_embed { LoraInput::TokenIds(ids) } else { LoraInput::Dense(&x) };
         let want = run("reference", &v, g, input, &y0);
+        let serial = pool(1).install(|| run("chunked", &v, g, input, &y0));
         for b in BACKENDS {
-            let got = run(b, &v, g, input, &y0);
-            assert_close(&format!("{ctx}: {b} {what} (m={m})"), &got, &want, &y0);
-            checked += 1;
+            for threads in [1, 3] {
+                let got = pool(threads).install(|| run(b, &v, g, input, &y0));
+                assert_close(&format!("{ctx}: {b} {what} (m={m}, {threads} threads)"), &got, &want, &y0);
+                // Bit-identical across backends and thread splits: `auto` may switch backend
+                // between steps and a row's output must not depend on its batch.
+                assert!(got == serial, "{ctx}: {b} {what} (m={m}, {threads} threads) differs in the last bits from serial chunked");
+                checked += 1;
+            }
         }
     }
     checked

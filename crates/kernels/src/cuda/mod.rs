@@ -499,12 +499,12 @@ impl Device for CudaDevice {
         let (b, dtype) = match &w.data {
             WeightData::F32(v) => {
                 let b = DevBuf::zeroed(&self.ctx, v.len() * 4).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
-                self.htod(b.ptr, v);
+                self.htod(b.ptr, &v[..]);
                 (b, DType::F32)
             }
             WeightData::Bf16(v) => {
                 let b = DevBuf::zeroed(&self.ctx, v.len() * 2).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
-                self.htod(b.ptr, v);
+                self.htod(b.ptr, &v[..]);
                 (b, DType::Bf16)
             }
             WeightData::Cuda(..) => return w,

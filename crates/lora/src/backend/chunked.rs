@@ -11,7 +11,7 @@ use crate::mem_pool::SiteView;
 
 pub struct ChunkedBackend;
 
-/// Adapter rows from which the chunks run on several threads.
+/// Adapter rows from which the work runs on several threads.
 const PARALLEL_MIN_ROWS: usize = 8;
 
 /// Rows `perm[lo..hi]` (all of slot `w`): gather, shrink, expand-add into `y`.
@@ -73,43 +73,102 @@ impl LoraBackend for ChunkedBackend {
             ensure(&mut scratch.gathered, total * din);
         }
         let threads = rayon::current_num_threads();
-        // Pieces: each chunk cut into runs of at most `piece` rows.
-        let piece = if threads > 1 && total >= PARALLEL_MIN_ROWS { total.div_ceil(threads).max(1) } else { usize::MAX };
-        let yp = SyncPtr(y.as_mut_ptr());
+        if threads > 1 && total >= PARALLEL_MIN_ROWS {
+            return apply_parallel(site, group, input, y, scratch, threads);
+        }
+        let yp = y.as_mut_ptr();
         let Scratch { shrink, gathered } = scratch;
-        let (sp, gp) = (SyncPtr(shrink.as_mut_ptr()), SyncPtr(gathered.as_mut_ptr()));
-        let run = |c: usize, lo: usize, hi: usize| {
+        for c in 0..group.num_chunks() {
             let w = group.chunk_slot[c] as usize;
+            let (lo, hi) = (group.chunk_start[c] as usize, group.chunk_end[c] as usize);
             if site.ranks[w] == 0 {
-                return;
+                continue;
             }
-            let (yp, sp, gp) = (yp, sp, gp);
-            let (o, n) = (lo, hi - lo);
-            // SAFETY: scratch rows o..o+n belong to this piece (disjoint across pieces, sized to
-            // all adapter rows above); y rows of this piece are its own (run_piece's contract).
-            unsafe {
-                let g = if matches!(input, LoraInput::Dense(_)) { std::slice::from_raw_parts_mut(gp.0.add(o * din), n * din) } else { &mut [][..] };
-                let sh = std::slice::from_raw_parts_mut(sp.0.add(o * ld), n * ld);
-                run_piece(site, group, input, w, lo, hi, yp.0, g, sh);
-            }
-        };
-        if piece == usize::MAX {
-            for c in 0..group.num_chunks() {
-                run(c, group.chunk_start[c] as usize, group.chunk_end[c] as usize);
-            }
+            let g = if matches!(input, LoraInput::Dense(_)) { &mut gathered[lo * din..hi * din] } else { &mut [][..] };
+            // SAFETY: one chunk at a time on this thread; its rows lie inside y.
+            unsafe { run_piece(site, group, input, w, lo, hi, yp, g, &mut shrink[lo * ld..hi * ld]) };
+        }
+    }
+}
+
+/// Column range `part` of `parts` over `[0, len)`, cut at multiples of `align` (the last part
+/// takes the rest), so parts split the work without splitting a vector block.
+fn part_range(len: usize, part: usize, parts: usize, align: usize) -> (usize, usize) {
+    let cut = |p: usize| if p == parts { len } else { (len * p / parts) / align * align };
+    (cut(part), cut(part + 1))
+}
+
+/// The multi-threaded path: every chunk's work is split by *columns* across `parts` tasks,
+/// first the shrink (columns of `x·Aᵀ`), then, after a join, the expand (output columns). Each
+/// thread thus reads its share of the adapter's A and Bᵀ, where splitting by rows made every
+/// thread read all of them: at decode sizes the weights, not the arithmetic, are the cost.
+/// Neither split changes how any element is computed.
+fn apply_parallel(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y: &mut [f32], scratch: &mut Scratch, parts: usize) {
+    let din = site.in_dim;
+    let ld = site.n_slices * site.max_rank;
+    let total = group.adapter_rows;
+    // Each (chunk, part) task gathers its chunk's rows into its own region.
+    if matches!(input, LoraInput::Dense(_)) {
+        ensure(&mut scratch.gathered, parts * total * din);
+    }
+    let Scratch { shrink, gathered } = scratch;
+    let (sp, gp, yp) = (SyncPtr(shrink.as_mut_ptr()), SyncPtr(gathered.as_mut_ptr()), SyncPtr(y.as_mut_ptr()));
+    let tasks = group.num_chunks() * parts;
+    (0..tasks).into_par_iter().for_each(|t| {
+        let (c, part) = (t / parts, t % parts);
+        let w = group.chunk_slot[c] as usize;
+        let r = site.ranks[w] as usize;
+        if r == 0 {
             return;
         }
-        let pieces_of = |c: usize| ((group.chunk_end[c] - group.chunk_start[c]) as usize).div_ceil(piece);
-        let total_pieces: usize = (0..group.num_chunks()).map(pieces_of).sum();
-        (0..total_pieces).into_par_iter().for_each(|mut i| {
-            // Piece i → (chunk, row range), without a list (no allocation per call).
-            let mut c = 0;
-            while i >= pieces_of(c) {
-                i -= pieces_of(c);
-                c += 1;
+        let (lo, hi) = (group.chunk_start[c] as usize, group.chunk_end[c] as usize);
+        let rows = &group.perm[lo..hi];
+        let n = hi - lo;
+        let (c0, c1) = part_range(site.n_slices * r, part, parts, 1);
+        let a = site.a_slot(w);
+        let (sp, gp) = (sp, gp);
+        // SAFETY: shrink rows lo..hi, columns c0..c1 are this task's alone (chunks own disjoint
+        // rows, parts disjoint columns); the gathered region (part, lo..hi) likewise.
+        unsafe {
+            let sh = std::slice::from_raw_parts_mut(sp.0.add(lo * ld), n * ld);
+            match input {
+                LoraInput::Dense(x) => {
+                    let g = std::slice::from_raw_parts_mut(gp.0.add((part * total + lo) * din), n * din);
+                    for (i, &p) in rows.iter().enumerate() {
+                        let p = p as usize;
+                        g[i * din..(i + 1) * din].copy_from_slice(&x[p * din..(p + 1) * din]);
+                    }
+                    gemm_nt(&mut sh[c0..], ld, g, din, &a[c0 * din..], din, n, c1 - c0, din, 1.0, false);
+                }
+                LoraInput::TokenIds(ids) => {
+                    for (i, &p) in rows.iter().enumerate() {
+                        let id = ids[p as usize] as usize;
+                        for k in c0..c1 {
+                            sh[i * ld + k] = if id < din { a[k * din + id] } else { 0.0 };
+                        }
+                    }
+                }
             }
-            let lo = group.chunk_start[c] as usize + i * piece;
-            run(c, lo, (lo + piece).min(group.chunk_end[c] as usize));
-        });
-    }
+        }
+    });
+    let shrink = &*shrink;
+    (0..tasks).into_par_iter().for_each(|t| {
+        let (c, part) = (t / parts, t % parts);
+        let w = group.chunk_slot[c] as usize;
+        let r = site.ranks[w] as usize;
+        if r == 0 {
+            return;
+        }
+        let (lo, hi) = (group.chunk_start[c] as usize, group.chunk_end[c] as usize);
+        let bt = site.b_slot(w);
+        let yp = yp;
+        for j in 0..site.n_slices {
+            let (o0, o1) = (site.offsets[j], site.offsets[j + 1]);
+            let (p0, p1) = part_range(o1 - o0, part, parts, 64);
+            // SAFETY: output columns o0+p0..o0+p1 of this chunk's rows are this task's alone.
+            unsafe {
+                quiver_kernels::cpu::simd::lora_expand(yp.0.add(o0 + p0), site.out_dim, Some(&group.perm[lo..hi]), hi - lo, &shrink[lo * ld + j * r..], ld, &bt[o0 + p0..], site.out_dim, r, p1 - p0, site.scaling(w, j));
+            }
+        }
+    });
 }
