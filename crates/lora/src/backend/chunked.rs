@@ -91,6 +91,14 @@ impl LoraBackend for ChunkedBackend {
     }
 }
 
+struct Task {
+    part: usize,
+    w: usize,
+    r: usize,
+    lo: usize,
+    hi: usize,
+}
+
 /// Column range `part` of `parts` over `[0, len)`, cut at multiples of `align` (the last part
 /// takes the rest), so parts split the work without splitting a vector block.
 fn part_range(len: usize, part: usize, parts: usize, align: usize) -> (usize, usize) {
@@ -114,14 +122,15 @@ fn apply_parallel(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>
     let Scratch { shrink, gathered } = scratch;
     let (sp, gp, yp) = (SyncPtr(shrink.as_mut_ptr()), SyncPtr(gathered.as_mut_ptr()), SyncPtr(y.as_mut_ptr()));
     let tasks = group.num_chunks() * parts;
-    (0..tasks).into_par_iter().for_each(|t| {
+    // Task t: part t % parts of chunk t / parts; None when the chunk's slot has rank 0 here.
+    let task = |t: usize| {
         let (c, part) = (t / parts, t % parts);
         let w = group.chunk_slot[c] as usize;
         let r = site.ranks[w] as usize;
-        if r == 0 {
-            return;
-        }
-        let (lo, hi) = (group.chunk_start[c] as usize, group.chunk_end[c] as usize);
+        (r > 0).then(|| Task { part, w, r, lo: group.chunk_start[c] as usize, hi: group.chunk_end[c] as usize })
+    };
+    (0..tasks).into_par_iter().for_each(|t| {
+        let Some(Task { part, w, r, lo, hi }) = task(t) else { return };
         let rows = &group.perm[lo..hi];
         let n = hi - lo;
         let (c0, c1) = part_range(site.n_slices * r, part, parts, 1);
@@ -153,13 +162,7 @@ fn apply_parallel(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>
     });
     let shrink = &*shrink;
     (0..tasks).into_par_iter().for_each(|t| {
-        let (c, part) = (t / parts, t % parts);
-        let w = group.chunk_slot[c] as usize;
-        let r = site.ranks[w] as usize;
-        if r == 0 {
-            return;
-        }
-        let (lo, hi) = (group.chunk_start[c] as usize, group.chunk_end[c] as usize);
+        let Some(Task { part, w, r, lo, hi }) = task(t) else { return };
         let bt = site.b_slot(w);
         let yp = yp;
         for j in 0..site.n_slices {
