@@ -88,17 +88,20 @@ struct Kernels {
     silu_mul: sys::CUfunction,
     kv_write: sys::CUfunction,
     paged_attention: sys::CUfunction,
-    prefill_attention: sys::CUfunction,
-    /// `gemv_bf16[m - 1]` handles m rows.
-    gemv_bf16: [sys::CUfunction; GEMV_KERNELS],
+    /// Tensor-core prefill attention for head_dim rounded up to 32, 64, 96, 128.
+    prefill_attention: [sys::CUfunction; 4],
+    /// Single-row GEMV for k % 8 == 0 (cp.async-streamed W), and the plain one for any k.
+    gemv1_bf16: sys::CUfunction,
+    gemv_bf16_any_k: sys::CUfunction,
 }
 
 /// Up to this many rows a bf16 GEMM runs as our GEMV (W streamed once, f32 input, bias fused)
 /// instead of a cuBLAS GEMM on bf16-converted input, and a step may be recorded as a CUDA graph.
-/// The kernel handles up to 8 rows, but on the H200 a 4-row step took 10.4 ms against 6.8 ms
-/// for a 16-row cuBLAS step (each warp re-reads the x rows per W load), so only single-row
-/// steps use it for now.
+/// (A multi-row GEMV measured slower than cuBLAS on the H200: 10.4 ms for a 4-row 8B step
+/// against 6.8 ms for 16 rows through cuBLAS.)
 const GEMV_MAX_M: usize = 1;
+/// Output rows per block of `gemv1_bf16` (`GV_ROWS` × `GV_WARPS` in kernels.cu).
+const GEMV1_ROWS_PER_BLOCK: usize = 8;
 /// Largest head the attention kernels hold in registers (`MAX_DPL` × 32 in kernels.cu).
 const MAX_HEAD_DIM: usize = 256;
 /// cuBLAS workspace (NVIDIA's recommendation for Hopper).
@@ -111,10 +114,11 @@ const GRAPH_MAX_ROWS: usize = 256;
 /// Largest GEMM input width a recorded step may need: the bf16 input scratch is sized for it
 /// before recording, since growing it inside a recording is not allowed.
 const GRAPH_MAX_K: usize = 1 << 16;
-/// Rows the GEMV kernels are instantiated for (`gemv_bf16_1..8` in kernels.cu).
-const GEMV_KERNELS: usize = 8;
-/// Query rows per block of the tiled prefill attention (`PQ` in kernels.cu).
-const PREFILL_ROWS: usize = 8;
+/// Query rows per block of the prefill attention (`FA_BM` in kernels.cu), and its threads.
+const PREFILL_ROWS: usize = 64;
+const PREFILL_THREADS: u32 = 128;
+/// Largest head the prefill attention takes (larger heads run the decode kernel per row).
+const PREFILL_MAX_HEAD_DIM: usize = 128;
 
 /// Where one staged host slice landed in the metadata buffer.
 #[derive(Clone, Copy, Default)]
@@ -310,14 +314,9 @@ impl CudaDevice {
             silu_mul: f("silu_mul")?,
             kv_write: f("kv_write")?,
             paged_attention: f("paged_attention")?,
-            prefill_attention: f("prefill_attention")?,
-            gemv_bf16: {
-                let mut g = [std::ptr::null_mut(); GEMV_KERNELS];
-                for (i, slot) in g.iter_mut().enumerate() {
-                    *slot = f(&format!("gemv_bf16_{}", i + 1))?;
-                }
-                g
-            },
+            prefill_attention: [f("prefill_attention_32")?, f("prefill_attention_64")?, f("prefill_attention_96")?, f("prefill_attention_128")?],
+            gemv1_bf16: f("gemv1_bf16")?,
+            gemv_bf16_any_k: f("gemv_bf16_1")?,
         };
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking).context("creating a CUDA stream")?;
         let graph_max_rows = std::env::var("QUIVER_CUDA_GRAPH_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).min(GRAPH_MAX_ROWS);
@@ -353,6 +352,37 @@ impl CudaDevice {
         self.bind();
         unsafe { result::stream::synchronize(self.stream) }.with_context(|| format!("CUDA stream of {}", self.name))?;
         Ok(())
+    }
+
+    /// Median GPU time of one run of `body`, in milliseconds, over `reps` runs each timed by a pair
+    /// of events on the device's stream (benchmarks: a kernel alone against the copy ceiling).
+    pub fn time_ms(&self, reps: usize, body: &mut dyn FnMut()) -> Result<f64> {
+        self.bind();
+        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let (a, b) = (result::event::create(flags)?, result::event::create(flags)?);
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps.max(1) {
+            // SAFETY: events of this context, recorded on our stream and synchronized before reading.
+            unsafe { result::event::record(a, self.stream) }?;
+            body();
+            unsafe { result::event::record(b, self.stream) }?;
+            self.synchronize()?;
+            times.push(unsafe { result::event::elapsed(a, b) }? as f64);
+        }
+        unsafe {
+            let _ = result::event::destroy(a);
+            let _ = result::event::destroy(b);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
+
+    /// Device-to-device copy of `len` floats from `src` into `dst` (benchmarks: copy bandwidth).
+    pub fn copy(&self, src: &Tensor, dst: &mut Tensor, len: usize) {
+        self.bind();
+        assert!(len <= src.capacity() && len <= dst.capacity());
+        // SAFETY: both are live device buffers of at least len floats.
+        unsafe { result::memcpy_dtod_async(buf(dst), buf(src), len * 4, self.stream) }.unwrap_or_else(|e| panic!("device copy on {}: {e:?}", self.name));
     }
 
     /// Profiling: marks the end of op `what` on the stream.
@@ -626,7 +656,11 @@ impl Device for CudaDevice {
         match dtype {
             DType::Bf16 if m <= GEMV_MAX_M => {
                 let bp = bias.map(buf).unwrap_or(0);
-                launch!(self, self.k.gemv_bf16[m - 1], (n.div_ceil(8) as u32, 1, 1), (256, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32);
+                if k % 8 == 0 {
+                    launch!(self, self.k.gemv1_bf16, (n.div_ceil(GEMV1_ROWS_PER_BLOCK) as u32, 1, 1), (128, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32);
+                } else {
+                    launch!(self, self.k.gemv_bf16_any_k, (n.div_ceil(8) as u32, 1, 1), (256, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32);
+                }
                 self.mark("matmul gemv");
                 return;
             }
@@ -739,12 +773,12 @@ impl Device for CudaDevice {
             buf(qkv), rs, pp, bt, stride, kc, vc, n_heads as i32, l.n_kv_heads as i32, l.head_dim as i32, l.block_size as i32);
         self.mark("kv_write");
         let (tiles_at, n_tiles) = st.tiles;
-        if n_tiles < rows && l.head_dim <= 128 {
-            // Some sequence brings several rows (prefill): share each K/V tile among them.
+        if n_tiles < rows && l.head_dim <= PREFILL_MAX_HEAD_DIM {
+            // Some sequence brings several rows (prefill): tensor-core tiles of PREFILL_ROWS rows.
             let hd = l.head_dim;
-            let smem = 4 * (32 * (hd + 1) + 32 * hd + PREFILL_ROWS * hd + PREFILL_ROWS * 32);
+            let f = self.k.prefill_attention[hd.div_ceil(32) - 1];
             let tp = st.meta.ptr + 4 * tiles_at as u64;
-            launch!(self, self.k.prefill_attention, (n_tiles as u32, n_heads as u32, 1), ((PREFILL_ROWS * 32) as u32, 1, 1), smem = smem as u32;
+            launch!(self, f, (n_tiles as u32, n_heads as u32, 1), (PREFILL_THREADS, 1, 1);
                 buf(qkv), kc, vc, tp, pp, bt, stride, buf(out), n_heads as i32, l.n_kv_heads as i32, hd as i32, l.block_size as i32, scale);
             self.mark("attention prefill");
         } else {
