@@ -266,3 +266,40 @@ fn gemv_bandwidth_vs_copy() {
         step_bytes / (copy_tb_s * 1e12) * 1e3
     );
 }
+
+/// Norms, SiLU·mul and prefill attention hand a cuBLAS GEMM the bf16 copy of their output, made in
+/// the same pass. It must be used only when nothing has touched that output since: here the
+/// output is changed in between (add_inplace, an upload), and the GEMM must see the change.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn gemm_input_copy_is_not_reused_after_a_change() {
+    let (g, c) = (gpu(), CpuDevice::new());
+    let mut r = Rng::fresh("gemm input copy");
+    let (rows, dim, n) = (5, 64, 48);
+    let (x, d, nw) = (r.vec(rows * dim, 2.0), r.vec(rows * dim, 3.0), r.vec(dim, 1.0));
+    let w = r.vec(n * dim, 0.5);
+    let (wc, wg) = (c.load_weight(Weight::from_f32(n, dim, w.clone(), DType::Bf16)), g.load_weight(Weight::from_f32(n, dim, w, DType::Bf16)));
+    let (nc, ng) = (c.tensor_from(&nw), g.tensor_from(&nw));
+    let (xc, xg) = (c.tensor_from(&x), g.tensor_from(&x));
+    let (dc, dg) = (c.tensor_from(&d), g.tensor_from(&d));
+    for change in ["none", "add_inplace", "upload"] {
+        let (mut oc, mut og) = (poisoned(&c, rows * dim), poisoned(&g, rows * dim));
+        c.rms_norm(&xc, &nc, 1e-5, rows, dim, &mut oc);
+        g.rms_norm(&xg, &ng, 1e-5, rows, dim, &mut og);
+        match change {
+            "add_inplace" => {
+                c.add_inplace(&mut oc, &dc, rows * dim);
+                g.add_inplace(&mut og, &dg, rows * dim);
+            }
+            "upload" => {
+                c.upload(&d, &mut oc);
+                g.upload(&d, &mut og);
+            }
+            _ => {}
+        }
+        let (mut yc, mut yg) = (poisoned(&c, rows * n), poisoned(&g, rows * n));
+        c.matmul(&oc, rows, &wc, None, &mut yc);
+        g.matmul(&og, rows, &wg, None, &mut yg);
+        check(&format!("rms_norm, {change}, matmul"), &host(&g, &yg, rows * n), &yc.as_cpu()[..rows * n], 1e-2);
+    }
+}

@@ -39,13 +39,27 @@ __device__ float block_sum(float v, float* sh) {
     return sh[32];
 }
 
+// Programmatic dependent launch (sm_90+; see `launch` in mod.rs): a kernel may be scheduled
+// while its predecessor on the stream still drains. Every kernel therefore waits for the
+// predecessor's completion (griddepcontrol.wait: a no-op when not launched that way) before it
+// touches memory another kernel writes, then lets its own successor be scheduled. Only reads of
+// weights (never written by a kernel) may come before it.
+__device__ __forceinline__ void pdl_entry() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16_t* __restrict__ y, long n) {
+    pdl_entry();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] = f2bf(x[i]);
 }
 
 // x ≈ hi + lo with both in bf16 (hi = bf16(x), lo = bf16(x − hi)): two bf16 GEMMs then carry
 // ~16 bits of the f32 activations instead of 8.
 extern "C" __global__ void f32_to_bf16_split(const float* __restrict__ x, bf16_t* __restrict__ hi, bf16_t* __restrict__ lo, long n) {
+    pdl_entry();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         bf16_t h = f2bf(x[i]);
         hi[i] = h;
@@ -54,34 +68,43 @@ extern "C" __global__ void f32_to_bf16_split(const float* __restrict__ x, bf16_t
 }
 
 extern "C" __global__ void add_bias(float* __restrict__ y, const float* __restrict__ b, int cols, long n) {
+    pdl_entry();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] += b[i % cols];
 }
 
 extern "C" __global__ void add_inplace(float* __restrict__ a, const float* __restrict__ b, long n) {
+    pdl_entry();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) a[i] += b[i];
 }
 
 // One block per row.
 extern "C" __global__ void embedding_bf16(const bf16_t* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim) {
+    pdl_entry();
     const bf16_t* src = table + (size_t)ids[blockIdx.x] * dim;
     float* dst = out + (size_t)blockIdx.x * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = bf2f(src[i]);
 }
 
 extern "C" __global__ void embedding_f32(const float* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim) {
+    pdl_entry();
     const float* src = table + (size_t)ids[blockIdx.x] * dim;
     float* dst = out + (size_t)blockIdx.x * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = src[i];
 }
 
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ rows, float* __restrict__ out, int dim) {
+    pdl_entry();
     const float* src = x + (size_t)rows[blockIdx.x] * dim;
     float* dst = out + (size_t)blockIdx.x * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = src[i];
 }
 
+// Ops whose output feeds a cuBLAS GEMM take `outb` (or null): a bf16 copy of `out` written in the
+// same pass, so the GEMM needs no separate f32 → bf16 conversion of its input (mod.rs: `shadow`).
+
 // out = x / sqrt(mean(x²) + eps) * w, one block per row.
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int dim, float eps) {
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, int dim, float eps) {
+    pdl_entry();
     __shared__ float sh[33];
     const float* xr = x + (size_t)blockIdx.x * dim;
     float* o = out + (size_t)blockIdx.x * dim;
@@ -89,11 +112,18 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = xr[i]; s += v * v; }
     s = block_sum(s, sh);
     float inv = rsqrtf(s / dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = (xr[i] * inv) * w[i];
+    bf16_t* ob = outb ? outb + (size_t)blockIdx.x * dim : nullptr;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = (xr[i] * inv) * w[i];
+        o[i] = v;
+        if (ob) ob[i] = f2bf(v);
+    }
 }
 
 // resid += delta; out = rmsnorm(resid) * w. Each thread rereads only the elements it wrote.
-extern "C" __global__ void add_rms_norm(float* __restrict__ resid, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out, int dim, float eps) {
+extern "C" __global__ void add_rms_norm(float* __restrict__ resid, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out,
+                                        bf16_t* __restrict__ outb, int dim, float eps) {
+    pdl_entry();
     __shared__ float sh[33];
     float* r = resid + (size_t)blockIdx.x * dim;
     const float* d = delta + (size_t)blockIdx.x * dim;
@@ -102,13 +132,19 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ resid, const float* 
     for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = r[i] + d[i]; r[i] = v; s += v * v; }
     s = block_sum(s, sh);
     float inv = rsqrtf(s / dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = (r[i] * inv) * w[i];
+    bf16_t* ob = outb ? outb + (size_t)blockIdx.x * dim : nullptr;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = (r[i] * inv) * w[i];
+        o[i] = v;
+        if (ob) ob[i] = f2bf(v);
+    }
 }
 
 // Rotate-half RoPE on the q and k heads of each fused qkv row. One block per row; threads
 // walk (head, pair) indices.
 extern "C" __global__ void rope_qk(float* __restrict__ qkv, const u32* __restrict__ positions, const float* __restrict__ cos_t,
                                    const float* __restrict__ sin_t, int heads_qk, int head_dim, int half, int width, int max_pos) {
+    pdl_entry();
     int r = blockIdx.x;
     int pos = min((int)positions[r], max_pos - 1);
     const float* c = cos_t + (size_t)pos * half;
@@ -123,13 +159,16 @@ extern "C" __global__ void rope_qk(float* __restrict__ qkv, const u32* __restric
     }
 }
 
-extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ out, int inter, long n) {
+extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ out, bf16_t* __restrict__ outb, int inter, long n) {
+    pdl_entry();
     for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
         long r = idx / inter;
         int i = (int)(idx - r * inter);
         float g = gu[r * 2 * inter + i];
         float u = gu[r * 2 * inter + inter + i];
-        out[idx] = g / (1.f + expf(-g)) * u;
+        const float v = g / (1.f + expf(-g)) * u;
+        out[idx] = v;
+        if (outb) outb[idx] = f2bf(v);
     }
 }
 
@@ -137,6 +176,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restr
 extern "C" __global__ void kv_write(const float* __restrict__ qkv, const u32* __restrict__ row_seq, const u32* __restrict__ positions,
                                     const u32* __restrict__ block_tables, int bt_stride, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
                                     int n_heads, int n_kv, int head_dim, int block_size) {
+    pdl_entry();
     int r = blockIdx.x;
     int width = (n_heads + 2 * n_kv) * head_dim;
     int kvw = n_kv * head_dim;
@@ -162,6 +202,7 @@ extern "C" __global__ void paged_attention(const float* __restrict__ qkv, const 
                                            const u32* __restrict__ row_seq, const u32* __restrict__ positions,
                                            const u32* __restrict__ block_tables, int bt_stride, float* __restrict__ out,
                                            int n_heads, int n_kv, int head_dim, int block_size, float scale) {
+    pdl_entry();
     __shared__ float sm_m[ATTN_WARPS], sm_l[ATTN_WARPS];
     __shared__ float sm_acc[ATTN_WARPS][MAX_DPL * 32];
     int r = blockIdx.x, h = blockIdx.y;
@@ -268,7 +309,7 @@ __device__ __forceinline__ void gemv_bf16_impl(const float* __restrict__ x, cons
 }
 
 #define GEMV(M) \
-    extern "C" __global__ void gemv_bf16_##M(const float* x, const bf16_t* w, const float* bias, float* y, int n, int k) { gemv_bf16_impl<M>(x, w, bias, y, n, k); }
+    extern "C" __global__ void gemv_bf16_##M(const float* x, const bf16_t* w, const float* bias, float* y, int n, int k) { pdl_entry(); gemv_bf16_impl<M>(x, w, bias, y, n, k); }
 GEMV(1) // the fallback for k % 8 != 0 (gemv1_bf16 below handles the rest)
 
 
@@ -326,8 +367,11 @@ extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) gemv1_bf16(const flo
         }
         cp_async_commit(); // empty groups keep the count uniform
     };
+    // W is never written by a kernel: its first stages are requested before waiting for the
+    // kernel that produced x.
 #pragma unroll
     for (int s = 0; s < GV_STAGES - 1; s++) issue(s);
+    pdl_entry();
     float acc[GV_ROWS];
 #pragma unroll
     for (int r = 0; r < GV_ROWS; r++) acc[r] = 0.f;
@@ -362,12 +406,19 @@ extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) gemv1_bf16(const flo
 // Q and P are rounded to bf16 for the tensor cores, as flash attention does. Causal per row: key t
 // is visible to a row at position p iff t <= p (rows of a sequence have ascending positions).
 // `tiles` holds (first row, row count, sequence) per block. HD is head_dim rounded up to a multiple
-// of 32 (padding dims are zero in Q, K and V).
+// of 32 (padding dims are zero in Q, K and V). K/V tiles are double-buffered: the next tile's
+// cp.async copies are in flight while the current one is multiplied. Dynamic shared memory:
+// fa_smem_bytes(HD) (over the default 48 KB for HD = 128: the host raises the limit).
 #define FA_BM 64
 #define FA_BN 64
 #define FA_THREADS 128
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16 bytes global → shared, or 16 zero bytes when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
 
 __device__ __forceinline__ void ldsm_x4(u32* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
@@ -395,11 +446,10 @@ template <int HD>
 __device__ __forceinline__ void flash_prefill(const float* __restrict__ qkv, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
                                               const u32* __restrict__ tiles, const u32* __restrict__ positions,
                                               const u32* __restrict__ block_tables, int bt_stride, float* __restrict__ out,
-                                              int n_heads, int n_kv, int hd, int block_size, float scale) {
+                                              bf16_t* __restrict__ outb, int n_heads, int n_kv, int hd, int block_size, float scale) {
     constexpr int LD = HD + 8; // row stride in bf16: 16 bytes of padding make ldmatrix conflict-free
     constexpr int NS = FA_BN / 8, NO = HD / 8, KQ = HD / 16;
-    __shared__ __align__(16) bf16_t ks[FA_BN * LD];
-    __shared__ __align__(16) bf16_t vs[FA_BN * LD];
+    extern __shared__ __align__(16) bf16_t fa_smem[]; // [2 buffers][K, V][FA_BN][LD]
     const float NEG_INF = -__int_as_float(0x7f800000);
     const int tile = gridDim.x - 1 - blockIdx.x; // longest contexts first: less tail
     const int h = blockIdx.y;
@@ -408,18 +458,50 @@ __device__ __forceinline__ void flash_prefill(const float* __restrict__ qkv, con
     const int width = (n_heads + 2 * n_kv) * hd, kvw = n_kv * hd;
     const int kvh = h / (n_heads / n_kv);
     const u32* table = block_tables + (size_t)seq * bt_stride;
+    const int maxpos = (int)positions[row0 + nrows - 1];
 
-    // Q (scaled by scale · log2 e) → bf16, staged in ks, then into A fragments.
-    const float qscale = scale * 1.4426950408889634f;
-    for (int i = tid; i < FA_BM * HD; i += FA_THREADS) {
-        const int r = i / HD, d = i - r * HD;
-        const float v = (r < nrows && d < hd) ? qkv[(size_t)(row0 + r) * width + h * hd + d] * qscale : 0.f;
-        ks[r * LD + d] = f2bf(v);
+    // Copies K/V tile `it` into buffer `b` (zeros past the context and in padding dims).
+    auto load_tile = [&](int it, int b) {
+        bf16_t* ks = fa_smem + b * 2 * FA_BN * LD;
+        bf16_t* vs = ks + FA_BN * LD;
+        constexpr int CH = HD / 8; // 16-byte chunks per row
+#pragma unroll
+        for (int i = tid; i < FA_BN * CH; i += FA_THREADS) {
+            const int j = i / CH, d = (i - j * CH) * 8, t = it * FA_BN + j;
+            const bool valid = t <= maxpos && d < hd;
+            size_t off = 0;
+            if (valid) off = ((size_t)table[t / block_size] * block_size + t % block_size) * kvw + kvh * hd + d;
+            if ((hd & 7) == 0) {
+                cp_async16_zfill(&ks[j * LD + d], kc + off, valid);
+                cp_async16_zfill(&vs[j * LD + d], vc + off, valid);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    const bool in = valid && d + e < hd;
+                    ks[j * LD + d + e] = in ? kc[off + e] : (bf16_t)0;
+                    vs[j * LD + d + e] = in ? vc[off + e] : (bf16_t)0;
+                }
+            }
+        }
+    };
+    load_tile(0, 0);
+    cp_async_commit();
+
+    // Q (scaled by scale · log2 e) → bf16, staged in buffer 1, then into A fragments.
+    {
+        bf16_t* qs = fa_smem + 2 * FA_BN * LD;
+        const float qscale = scale * 1.4426950408889634f;
+        for (int i = tid; i < FA_BM * HD; i += FA_THREADS) {
+            const int r = i / HD, d = i - r * HD;
+            const float v = (r < nrows && d < hd) ? qkv[(size_t)(row0 + r) * width + h * hd + d] * qscale : 0.f;
+            qs[r * LD + d] = f2bf(v);
+        }
     }
     __syncthreads();
     u32 qf[KQ][4];
 #pragma unroll
-    for (int kk = 0; kk < KQ; kk++) ldsm_x4(qf[kk], &ks[(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + kk * 16 + (lane >> 4) * 8]);
+    for (int kk = 0; kk < KQ; kk++)
+        ldsm_x4(qf[kk], &fa_smem[2 * FA_BN * LD + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + kk * 16 + (lane >> 4) * 8]);
 
     // This thread's two rows of the warp's 16 (mma C layout: rows lane/4 and lane/4 + 8).
     const int rA = warp * 16 + (lane >> 2), rB = rA + 8;
@@ -427,7 +509,6 @@ __device__ __forceinline__ void flash_prefill(const float* __restrict__ qkv, con
     const int posB = rB < nrows ? (int)positions[row0 + rB] : -1;
     const int wlast = min(warp * 16 + 15, nrows - 1);
     const int wmax = warp * 16 < nrows ? (int)positions[row0 + wlast] : -1;
-    const int maxpos = (int)positions[row0 + nrows - 1];
     const int c2 = (lane & 3) * 2;
 
     float o[NO][4];
@@ -435,31 +516,16 @@ __device__ __forceinline__ void flash_prefill(const float* __restrict__ qkv, con
     for (int j = 0; j < NO; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float mA = NEG_INF, mB = NEG_INF, lA = 0.f, lB = 0.f;
 
-    for (int t0 = 0; t0 <= maxpos; t0 += FA_BN) {
-        __syncthreads(); // the previous tile (or Q) is consumed
-        constexpr int CH = HD / 8; // 16-byte chunks per row
-        for (int i = tid; i < FA_BN * CH; i += FA_THREADS) {
-            const int j = i / CH, d = (i - j * CH) * 8, t = t0 + j;
-            uint4 k4 = make_uint4(0, 0, 0, 0), v4 = make_uint4(0, 0, 0, 0);
-            if (t <= maxpos && d < hd) {
-                const size_t off = ((size_t)table[t / block_size] * block_size + t % block_size) * kvw + kvh * hd + d;
-                if ((hd & 7) == 0) {
-                    k4 = *reinterpret_cast<const uint4*>(kc + off);
-                    v4 = *reinterpret_cast<const uint4*>(vc + off);
-                } else {
-                    u32 kw[4] = {0, 0, 0, 0}, vw[4] = {0, 0, 0, 0};
-                    for (int e = 0; e < 8 && d + e < hd; e++) {
-                        kw[e >> 1] |= (u32)kc[off + e] << (16 * (e & 1));
-                        vw[e >> 1] |= (u32)vc[off + e] << (16 * (e & 1));
-                    }
-                    k4 = make_uint4(kw[0], kw[1], kw[2], kw[3]);
-                    v4 = make_uint4(vw[0], vw[1], vw[2], vw[3]);
-                }
-            }
-            *reinterpret_cast<uint4*>(&ks[j * LD + d]) = k4;
-            *reinterpret_cast<uint4*>(&vs[j * LD + d]) = v4;
-        }
-        __syncthreads();
+    const int ntiles = maxpos / FA_BN + 1;
+    for (int it = 0; it < ntiles; it++) {
+        const int t0 = it * FA_BN;
+        __syncthreads(); // every warp is done with the buffer the next tile goes into (or with Q)
+        if (it + 1 < ntiles) load_tile(it + 1, (it + 1) & 1);
+        cp_async_commit();
+        cp_async_wait<1>(); // this thread's copies of tile `it` have landed
+        __syncthreads();    // ... and everyone's
+        const bf16_t* ks = fa_smem + (it & 1) * 2 * FA_BN * LD;
+        const bf16_t* vs = ks + FA_BN * LD;
         if (t0 > wmax) continue; // every row of this warp is before the tile
 
         // S = Q · Kᵀ (16 rows × FA_BN keys per warp).
@@ -536,13 +602,18 @@ __device__ __forceinline__ void flash_prefill(const float* __restrict__ qkv, con
     // Row r's output from the accumulator half `hi` (0: rows lane/4, 1: rows lane/4 + 8).
     auto store = [&](int r, float l, int hi) {
         if (r >= nrows) return;
-        float* orow = out + (size_t)(row0 + r) * n_heads * hd + h * hd;
+        const size_t at = (size_t)(row0 + r) * n_heads * hd + h * hd;
+        float* orow = out + at;
+        bf16_t* brow = outb ? outb + at : nullptr;
         const float inv = 1.f / l;
 #pragma unroll
         for (int j = 0; j < NO; j++) {
             const int d = j * 8 + c2;
-            if (d < hd) orow[d] = o[j][2 * hi] * inv;
-            if (d + 1 < hd) orow[d + 1] = o[j][2 * hi + 1] * inv;
+            const float v0 = o[j][2 * hi] * inv, v1 = o[j][2 * hi + 1] * inv;
+            if (d < hd) orow[d] = v0;
+            if (d + 1 < hd) orow[d + 1] = v1;
+            if (brow && d < hd) brow[d] = f2bf(v0);
+            if (brow && d + 1 < hd) brow[d + 1] = f2bf(v1);
         }
     };
     store(rA, lA, 0);
@@ -552,7 +623,8 @@ __device__ __forceinline__ void flash_prefill(const float* __restrict__ qkv, con
 #define FLASH_PREFILL(HD)                                                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) prefill_attention_##HD(                                                            \
         const float* qkv, const bf16_t* kc, const bf16_t* vc, const u32* tiles, const u32* positions, const u32* block_tables, int bt_stride,   \
-        float* out, int n_heads, int n_kv, int hd, int block_size, float scale) {                                                                \
-        flash_prefill<HD>(qkv, kc, vc, tiles, positions, block_tables, bt_stride, out, n_heads, n_kv, hd, block_size, scale);                   \
+        float* out, bf16_t* outb, int n_heads, int n_kv, int hd, int block_size, float scale) {                                                  \
+        pdl_entry();                                                                                                                             \
+        flash_prefill<HD>(qkv, kc, vc, tiles, positions, block_tables, bt_stride, out, outb, n_heads, n_kv, hd, block_size, scale);             \
     }
 FLASH_PREFILL(32) FLASH_PREFILL(64) FLASH_PREFILL(96) FLASH_PREFILL(128)

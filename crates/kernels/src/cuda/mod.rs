@@ -120,6 +120,12 @@ const PREFILL_THREADS: u32 = 128;
 /// Largest head the prefill attention takes (larger heads run the decode kernel per row).
 const PREFILL_MAX_HEAD_DIM: usize = 128;
 
+/// Dynamic shared memory of the prefill attention for a head padded to `hdp`: two buffers of a K
+/// and a V tile of 64 keys, rows padded by 8 bf16 (`fa_smem` in kernels.cu).
+fn prefill_smem_bytes(hdp: usize) -> usize {
+    2 * 2 * 64 * (hdp + 8) * 2
+}
+
 /// Where one staged host slice landed in the metadata buffer.
 #[derive(Clone, Copy, Default)]
 struct StagedSlice {
@@ -140,6 +146,10 @@ struct State {
     tiles: (usize, usize),
     side: DevBuf,
     xbf: DevBuf,
+    /// `(f32 tensor, elements, touch count)`: `xbf` holds the bf16 copy of that tensor, written by
+    /// the op that produced it, valid while nothing else has run on the device since (`touches`
+    /// unchanged). A cuBLAS GEMM on exactly that input then skips its conversion.
+    shadow: Option<(u64, usize, u64)>,
 }
 
 /// Optional per-op GPU timing (`QUIVER_CUDA_PROFILE=1`): an event is recorded on the stream
@@ -200,6 +210,12 @@ pub struct CudaDevice {
     /// Replays of recorded steps; `None` when disabled (`QUIVER_CUDA_GRAPHS=0`, or profiling).
     graphs: Option<Mutex<Graphs>>,
     graph_max_rows: usize,
+    /// Launch our kernels with programmatic stream serialization (sm_90+, unless
+    /// `QUIVER_CUDA_PDL=0`): see `launch_raw`.
+    pdl: bool,
+    /// Counts everything queued that may write device memory (launches, copies, GEMMs): see
+    /// `State::shadow`.
+    touches: std::sync::atomic::AtomicU64,
 }
 
 // SAFETY: the raw stream and function handles are used only under the device's discipline
@@ -218,9 +234,7 @@ macro_rules! launch {
         let block: (u32, u32, u32) = $block;
         // SAFETY: the arguments match the kernel's C signature (pointers as u64, int as i32,
         // float as f32, long as i64), and every pointer is a live device buffer of this context.
-        let r = unsafe {
-            result::launch_kernel($f, grid, block, $smem, dev.stream, &mut [$(&mut { $arg } as *mut _ as *mut c_void),*])
-        };
+        let r = unsafe { dev.launch_raw($f, grid, block, $smem, &mut [$(&mut { $arg } as *mut _ as *mut c_void),*]) };
         if let Err(e) = r {
             panic!("CUDA kernel launch failed on {}: {e:?}", dev.name);
         }
@@ -296,6 +310,10 @@ impl CudaDevice {
         let ctx = CudaContext::new(ordinal).with_context(|| format!("creating a CUDA context on device {ordinal}"))?;
         let (maj, min) = ctx.compute_capability()?;
         let name = format!("cuda:{ordinal} ({}, sm_{maj}{min})", ctx.name().unwrap_or_default());
+        if maj < 8 {
+            // bf16 tensor-core MMAs, cp.async and bf16x2 conversions in kernels.cu are sm_80+.
+            bail!("{name}: Quiver's CUDA kernels need compute capability 8.0 (Ampere) or newer");
+        }
         let arch = format!("sm_{maj}{min}");
         let ptx = kernels_ptx(&arch)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).context("loading Quiver's CUDA kernels")?;
@@ -318,6 +336,13 @@ impl CudaDevice {
             gemv1_bf16: f("gemv1_bf16")?,
             gemv_bf16_any_k: f("gemv_bf16_1")?,
         };
+        for (i, &pf) in k.prefill_attention.iter().enumerate() {
+            let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;
+            // SAFETY: a function of the module just loaded; the value is within the H100/H200's
+            // 227 KB per block (and within an sm_80's 163 KB).
+            unsafe { result::function::set_function_attribute(pf, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes) }
+                .context("raising the prefill attention's shared-memory limit")?;
+        }
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking).context("creating a CUDA stream")?;
         let graph_max_rows = std::env::var("QUIVER_CUDA_GRAPH_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).min(GRAPH_MAX_ROWS);
         let blas_workspace = if graph_max_rows > GEMV_MAX_M { Some(DevBuf::zeroed(&ctx, BLAS_WORKSPACE)?) } else { None };
@@ -330,11 +355,13 @@ impl CudaDevice {
             tiles: (0, 0),
             side: DevBuf::zeroed(&ctx, 0)?,
             xbf: DevBuf::zeroed(&ctx, 0)?,
+            shadow: None,
         };
         let profiler = std::env::var_os("QUIVER_CUDA_PROFILE").filter(|v| v != "0").map(|_| Mutex::new(Profiler::default()));
         let split_gemm = std::env::var_os("QUIVER_CUDA_SPLIT_GEMM").is_some_and(|v| v != "0");
         let graphs = (profiler.is_none() && std::env::var_os("QUIVER_CUDA_GRAPHS").is_none_or(|v| v != "0")).then(|| Mutex::new(Graphs::default()));
-        Ok(CudaDevice { ordinal, ctx, stream, blas, _blas_workspace: blas_workspace, k, _module: module, state: Mutex::new(state), name, profiler, split_gemm, graphs, graph_max_rows })
+        let pdl = maj >= 9 && std::env::var_os("QUIVER_CUDA_PDL").is_none_or(|v| v != "0");
+        Ok(CudaDevice { ordinal, ctx, stream, blas, _blas_workspace: blas_workspace, k, _module: module, state: Mutex::new(state), name, profiler, split_gemm, graphs, graph_max_rows, pdl, touches: Default::default() })
     }
 
     pub fn name(&self) -> &str {
@@ -352,6 +379,57 @@ impl CudaDevice {
         self.bind();
         unsafe { result::stream::synchronize(self.stream) }.with_context(|| format!("CUDA stream of {}", self.name))?;
         Ok(())
+    }
+
+    /// Launches `f` on the device's stream. With `pdl` the launch allows programmatic stream
+    /// serialization: the kernel may be scheduled while its predecessor drains (hiding launch
+    /// latency and the predecessor's tail, which matter in a decode step of ~330 small kernels).
+    /// That is safe because every kernel in kernels.cu starts with `pdl_entry()`, which waits for
+    /// the predecessor's completion before touching memory a kernel writes.
+    ///
+    /// # Safety
+    /// `params` must match `f`'s C signature, every pointer a live device buffer of this context.
+    unsafe fn launch_raw(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, params: &mut [*mut c_void]) -> Result<(), result::DriverError> {
+        self.touch();
+        if !self.pdl {
+            return result::launch_kernel(f, grid, block, smem, self.stream, params);
+        }
+        // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: smem,
+            hStream: self.stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()).result()
+    }
+
+    fn touch(&self) {
+        self.touches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Where an op producing a `rows × cols` GEMM input `out` also writes its bf16 copy, or null
+    /// when the consuming matmul will not be a plain cuBLAS bf16 GEMM (single rows take the GEMV;
+    /// the split mode converts itself). Call `set_shadow` after launching the producer.
+    fn shadow_for(&self, st: &mut State, rows: usize, cols: usize) -> u64 {
+        if rows <= GEMV_MAX_M || self.split_gemm {
+            return 0;
+        }
+        self.grow(&mut st.xbf, rows * cols * 2);
+        st.xbf.ptr
+    }
+
+    fn set_shadow(&self, st: &mut State, outb: u64, out: u64, len: usize) {
+        st.shadow = (outb != 0).then(|| (out, len, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
     }
 
     /// Median GPU time of one run of `body`, in milliseconds, over `reps` runs each timed by a pair
@@ -382,6 +460,7 @@ impl CudaDevice {
         self.bind();
         assert!(len <= src.capacity() && len <= dst.capacity());
         // SAFETY: both are live device buffers of at least len floats.
+        self.touch();
         unsafe { result::memcpy_dtod_async(buf(dst), buf(src), len * 4, self.stream) }.unwrap_or_else(|e| panic!("device copy on {}: {e:?}", self.name));
     }
 
@@ -431,6 +510,7 @@ impl CudaDevice {
         if src.is_empty() {
             return;
         }
+        self.touch();
         // SAFETY: dst has room for src (callers size it); pageable copies complete their read of
         // `src` before returning.
         unsafe { result::memcpy_htod_async(dst, src, self.stream) }.unwrap_or_else(|e| panic!("host→device copy on {}: {e:?}", self.name));
@@ -670,18 +750,24 @@ impl Device for CudaDevice {
                 let (hi, lo) = (st.xbf.ptr, st.xbf.ptr + (m * k * 2) as u64);
                 launch!(self, self.k.f32_to_bf16_split, grid1(m * k, 256), (256, 1, 1); buf(x), hi, lo, (m * k) as i64);
                 self.mark("matmul input to bf16");
+                self.touch();
                 let e1 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, hi, buf(y), false);
                 let e2 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, lo, buf(y), true);
                 e1.and(e2).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
             }
             DType::Bf16 => {
                 let mut st = self.state.lock().unwrap();
-                self.grow(&mut st.xbf, m * k * 2);
-                launch!(self, self.k.f32_to_bf16, grid1(m * k, 256), (256, 1, 1); buf(x), st.xbf.ptr, (m * k) as i64);
-                self.mark("matmul input to bf16");
+                let touches = self.touches.load(std::sync::atomic::Ordering::Relaxed);
+                if st.shadow.take() != Some((buf(x), m * k, touches)) {
+                    self.grow(&mut st.xbf, m * k * 2);
+                    launch!(self, self.k.f32_to_bf16, grid1(m * k, 256), (256, 1, 1); buf(x), st.xbf.ptr, (m * k) as i64);
+                    self.mark("matmul input to bf16");
+                }
+                self.touch();
                 self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, st.xbf.ptr, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
             }
             DType::F32 => {
+                self.touch();
                 self.blas.gemm_xwt(blas::Operand::F32, m, n, k, wb.ptr, buf(x), buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
             }
         }
@@ -710,7 +796,10 @@ impl Device for CudaDevice {
         if rows == 0 {
             return;
         }
-        launch!(self, self.k.rms_norm, (rows as u32, 1, 1), (256, 1, 1); buf(x), buf(w), buf(out), dim as i32, eps);
+        let mut st = self.state.lock().unwrap();
+        let ob = self.shadow_for(&mut st, rows, dim);
+        launch!(self, self.k.rms_norm, (rows as u32, 1, 1), (256, 1, 1); buf(x), buf(w), buf(out), ob, dim as i32, eps);
+        self.set_shadow(&mut st, ob, buf(out), rows * dim);
         self.mark("rms_norm");
     }
 
@@ -719,7 +808,10 @@ impl Device for CudaDevice {
         if rows == 0 {
             return;
         }
-        launch!(self, self.k.add_rms_norm, (rows as u32, 1, 1), (256, 1, 1); buf(resid), buf(delta), buf(w), buf(out), dim as i32, eps);
+        let mut st = self.state.lock().unwrap();
+        let ob = self.shadow_for(&mut st, rows, dim);
+        launch!(self, self.k.add_rms_norm, (rows as u32, 1, 1), (256, 1, 1); buf(resid), buf(delta), buf(w), buf(out), ob, dim as i32, eps);
+        self.set_shadow(&mut st, ob, buf(out), rows * dim);
         self.mark("add_rms_norm");
     }
 
@@ -751,7 +843,10 @@ impl Device for CudaDevice {
         if rows == 0 {
             return;
         }
-        launch!(self, self.k.silu_mul, grid1(rows * inter, 256), (256, 1, 1); buf(gate_up), buf(out), inter as i32, (rows * inter) as i64);
+        let mut st = self.state.lock().unwrap();
+        let ob = self.shadow_for(&mut st, rows, inter);
+        launch!(self, self.k.silu_mul, grid1(rows * inter, 256), (256, 1, 1); buf(gate_up), buf(out), ob, inter as i32, (rows * inter) as i64);
+        self.set_shadow(&mut st, ob, buf(out), rows * inter);
         self.mark("silu_mul");
     }
 
@@ -777,9 +872,12 @@ impl Device for CudaDevice {
             // Some sequence brings several rows (prefill): tensor-core tiles of PREFILL_ROWS rows.
             let hd = l.head_dim;
             let f = self.k.prefill_attention[hd.div_ceil(32) - 1];
+            let smem = prefill_smem_bytes(32 * hd.div_ceil(32)) as u32;
             let tp = st.meta.ptr + 4 * tiles_at as u64;
-            launch!(self, f, (n_tiles as u32, n_heads as u32, 1), (PREFILL_THREADS, 1, 1);
-                buf(qkv), kc, vc, tp, pp, bt, stride, buf(out), n_heads as i32, l.n_kv_heads as i32, hd as i32, l.block_size as i32, scale);
+            let ob = self.shadow_for(&mut st, rows, n_heads * hd);
+            launch!(self, f, (n_tiles as u32, n_heads as u32, 1), (PREFILL_THREADS, 1, 1), smem = smem;
+                buf(qkv), kc, vc, tp, pp, bt, stride, buf(out), ob, n_heads as i32, l.n_kv_heads as i32, hd as i32, l.block_size as i32, scale);
+            self.set_shadow(&mut st, ob, buf(out), rows * n_heads * hd);
             self.mark("attention prefill");
         } else {
             launch!(self, self.k.paged_attention, (rows as u32, n_heads as u32, 1), (256, 1, 1);
