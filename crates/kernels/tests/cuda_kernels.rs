@@ -185,7 +185,7 @@ fn paged_attention_matches_cpu() {
     let (g, c) = (gpu(), CpuDevice::new());
     let mut r = Rng::fresh("attention");
     for &(nh, nkv, hd, bs) in &[(4, 4, 16, 16), (9, 3, 64, 16), (32, 8, 128, 16), (6, 2, 80, 8), (8, 2, 96, 16), (4, 1, 40, 16), (2, 2, 8, 16), (3, 1, 20, 16)] {
-        let lens = [1usize, 5, 17, 40, 64, 130, 200];
+        let lens = [1usize, 5, 17, 40, 64, 130, 200, 3]; // 8 rows in the decode step
         let chunk = 70;
         let max_blocks = (lens.iter().max().unwrap() + 1 + chunk).div_ceil(bs);
         let num_blocks = lens.len() * max_blocks + 3;

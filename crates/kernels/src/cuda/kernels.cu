@@ -102,22 +102,55 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* _
 // Ops whose output feeds a cuBLAS GEMM take `outb` (or null): a bf16 copy of `out` written in the
 // same pass, so the GEMM needs no separate f32 → bf16 conversion of its input (mod.rs: `shadow`).
 
-// out = x / sqrt(mean(x²) + eps) * w, one block per row.
+// Four floats as bf16 into 8 bytes.
+__device__ __forceinline__ void store_bf16x4(bf16_t* p, float4 v) {
+    *reinterpret_cast<uint2*>(p) = make_uint2((u32)f2bf(v.x) | ((u32)f2bf(v.y) << 16), (u32)f2bf(v.z) | ((u32)f2bf(v.w) << 16));
+}
+
+__device__ __forceinline__ float4 norm4(float4 v, float inv, float4 w) {
+    return make_float4((v.x * inv) * w.x, (v.y * inv) * w.y, (v.z * inv) * w.z, (v.w * inv) * w.w);
+}
+
+// Second pass of both norms: given this thread's partial sum of squares of row `x` (already
+// offset to the row), out = x / sqrt(mean(x²) + eps) * w, and its bf16 copy when `outb`.
+__device__ __forceinline__ void rms_finish(const float* x, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, int dim,
+                                           float eps, float s, float* sh) {
+    s = block_sum(s, sh);
+    const float inv = rsqrtf(s / dim + eps);
+    if ((dim & 3) == 0) {
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            const float4 v = norm4(x4[i], inv, w4[i]);
+            reinterpret_cast<float4*>(out)[i] = v;
+            if (outb) store_bf16x4(outb + 4 * i, v);
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = (x[i] * inv) * w[i];
+        out[i] = v;
+        if (outb) outb[i] = f2bf(v);
+    }
+}
+
+// out = x / sqrt(mean(x²) + eps) * w, one block per row; 16-byte accesses when dim % 4 == 0
+// (the host gives a block up to one thread per 4 elements, so a decode row is one load each).
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, int dim, float eps) {
     pdl_entry();
     __shared__ float sh[33];
-    const float* xr = x + (size_t)blockIdx.x * dim;
-    float* o = out + (size_t)blockIdx.x * dim;
+    const size_t base = (size_t)blockIdx.x * dim;
     float s = 0.f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = xr[i]; s += v * v; }
-    s = block_sum(s, sh);
-    float inv = rsqrtf(s / dim + eps);
-    bf16_t* ob = outb ? outb + (size_t)blockIdx.x * dim : nullptr;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float v = (xr[i] * inv) * w[i];
-        o[i] = v;
-        if (ob) ob[i] = f2bf(v);
+    if ((dim & 3) == 0) {
+        const float4* x4 = reinterpret_cast<const float4*>(x + base);
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            const float4 v = x4[i];
+            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = x[base + i]; s += v * v; }
     }
+    rms_finish(x + base, w, out + base, outb ? outb + base : nullptr, dim, eps, s, sh);
 }
 
 // resid += delta; out = rmsnorm(resid) * w. Each thread rereads only the elements it wrote.
@@ -125,19 +158,22 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ resid, const float* 
                                         bf16_t* __restrict__ outb, int dim, float eps) {
     pdl_entry();
     __shared__ float sh[33];
-    float* r = resid + (size_t)blockIdx.x * dim;
-    const float* d = delta + (size_t)blockIdx.x * dim;
-    float* o = out + (size_t)blockIdx.x * dim;
+    const size_t base = (size_t)blockIdx.x * dim;
     float s = 0.f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = r[i] + d[i]; r[i] = v; s += v * v; }
-    s = block_sum(s, sh);
-    float inv = rsqrtf(s / dim + eps);
-    bf16_t* ob = outb ? outb + (size_t)blockIdx.x * dim : nullptr;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float v = (r[i] * inv) * w[i];
-        o[i] = v;
-        if (ob) ob[i] = f2bf(v);
+    if ((dim & 3) == 0) {
+        float4* r4 = reinterpret_cast<float4*>(resid + base);
+        const float4* d4 = reinterpret_cast<const float4*>(delta + base);
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            float4 v = r4[i];
+            const float4 d = d4[i];
+            v.x += d.x, v.y += d.y, v.z += d.z, v.w += d.w;
+            r4[i] = v;
+            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = resid[base + i] + delta[base + i]; resid[base + i] = v; s += v * v; }
     }
+    rms_finish(resid + base, w, out + base, outb ? outb + base : nullptr, dim, eps, s, sh);
 }
 
 // Rotate-half RoPE on the q and k heads of each fused qkv row. One block per row; threads
@@ -159,14 +195,29 @@ extern "C" __global__ void rope_qk(float* __restrict__ qkv, const u32* __restric
     }
 }
 
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
+// out[r, i] = silu(gu[r, i]) · gu[r, inter + i]; 16-byte accesses when inter % 4 == 0.
 extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ out, bf16_t* __restrict__ outb, int inter, long n) {
     pdl_entry();
+    if ((inter & 3) == 0) {
+        const int q = inter / 4;
+        const float4* gu4 = reinterpret_cast<const float4*>(gu);
+        float4* o4 = reinterpret_cast<float4*>(out);
+        for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n / 4; idx += (long)gridDim.x * blockDim.x) {
+            const long r = idx / q;
+            const int i = (int)(idx - r * q);
+            const float4 g = gu4[r * 2 * q + i], u = gu4[r * 2 * q + q + i];
+            const float4 v = make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
+            o4[idx] = v;
+            if (outb) store_bf16x4(outb + 4 * idx, v);
+        }
+        return;
+    }
     for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
         long r = idx / inter;
         int i = (int)(idx - r * inter);
-        float g = gu[r * 2 * inter + i];
-        float u = gu[r * 2 * inter + inter + i];
-        const float v = g / (1.f + expf(-g)) * u;
+        const float v = silu_times(gu[r * 2 * inter + i], gu[r * 2 * inter + inter + i]);
         out[idx] = v;
         if (outb) outb[idx] = f2bf(v);
     }
@@ -191,13 +242,15 @@ extern "C" __global__ void kv_write(const float* __restrict__ qkv, const u32* __
     }
 }
 
-#define ATTN_WARPS 8
+#define ATTN_WARPS 16 // most warps per block (mod.rs: attn_threads)
 #define MAX_DPL 8 // dims per lane: head_dim <= 256
 
 // Causal attention of each new row against its sequence's cache, up to and including its own
 // position. Grid (rows, n_heads), ATTN_WARPS warps per block. Each warp walks a strided share of
 // the context with an online softmax; lane l owns dims l, l+32, ...; the warps' partial states
 // are merged through shared memory at the end.
+// The block may have 1..ATTN_WARPS warps (the host gives small batches all of them: fewer keys
+// per warp, less latency; large batches fewer, so more blocks fit on an SM).
 extern "C" __global__ void paged_attention(const float* __restrict__ qkv, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
                                            const u32* __restrict__ row_seq, const u32* __restrict__ positions,
                                            const u32* __restrict__ block_tables, int bt_stride, float* __restrict__ out,
@@ -213,6 +266,7 @@ extern "C" __global__ void paged_attention(const float* __restrict__ qkv, const 
     int ctx = (int)positions[r] + 1;
     const u32* table = block_tables + (size_t)row_seq[r] * bt_stride;
     const float* q = qkv + (size_t)r * width + h * head_dim;
+    const int nw = blockDim.x >> 5;
 
     float qv[MAX_DPL], acc[MAX_DPL];
 #pragma unroll
@@ -222,7 +276,8 @@ extern "C" __global__ void paged_attention(const float* __restrict__ qkv, const 
         acc[j] = 0.f;
     }
     float m = -__int_as_float(0x7f800000), l = 0.f;
-    for (int t = warp; t < ctx; t += ATTN_WARPS) {
+#pragma unroll 2
+    for (int t = warp; t < ctx; t += nw) {
         size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
         const bf16_t* k = kc + slot * kvw + kvh * head_dim;
         const bf16_t* v = vc + slot * kvw + kvh * head_dim;
@@ -252,13 +307,13 @@ extern "C" __global__ void paged_attention(const float* __restrict__ qkv, const 
     }
     __syncthreads();
     float M = -__int_as_float(0x7f800000);
-    for (int w = 0; w < ATTN_WARPS; w++) M = fmaxf(M, sm_m[w]);
+    for (int w = 0; w < nw; w++) M = fmaxf(M, sm_m[w]);
     float L = 0.f;
-    for (int w = 0; w < ATTN_WARPS; w++) L += sm_l[w] * __expf(sm_m[w] - M);
+    for (int w = 0; w < nw; w++) L += sm_l[w] * __expf(sm_m[w] - M);
     float* o = out + (size_t)r * n_heads * head_dim + h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float s = 0.f;
-        for (int w = 0; w < ATTN_WARPS; w++) s += sm_acc[w][d] * __expf(sm_m[w] - M);
+        for (int w = 0; w < nw; w++) s += sm_acc[w][d] * __expf(sm_m[w] - M);
         o[d] = s / L;
     }
 }
