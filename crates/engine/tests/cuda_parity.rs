@@ -57,7 +57,18 @@ fn check_cases(label: &str, lm: &LoadedModel, cases: &[RefCase]) {
         if div.is_none() {
             same += 1;
         }
-        eprintln!("{label} {}: {} positions, max |Δlogprob| {d:.4} at {pos}, greedy {}", case.name, all.len(), div.map_or("identical".to_string(), |p| format!("diverges at token {p}")));
+        // At a divergence, how far apart the reference put its token and ours: a gap under the
+        // bf16 error (max |Δlogprob|) is a near-tie that any rounding can flip.
+        let gap = |p: usize| {
+            let row = case.prompt_ids.len() + p - 1;
+            let lp_of = |t: u32| case.top_ids[row].iter().position(|&x| x == t).map(|i| case.top_logprobs[row][i]);
+            match (lp_of(case.continuation_ids[p]), lp_of(got[p])) {
+                (Some(a), Some(b)) => format!("{:.4}", a - b),
+                _ => "over the top-20".to_string(),
+            }
+        };
+        let verdict = div.map_or("identical".to_string(), |p| if p < got.len() && p < case.continuation_ids.len() { format!("diverges at token {p} (reference's logprob gap there {})", gap(p)) } else { format!("diverges at token {p}") });
+        eprintln!("{label} {}: {} positions, max |Δlogprob| {d:.4} at {pos}, greedy {verdict}", case.name, all.len());
         worst = worst.max(d);
         deltas.push(d);
     }

@@ -63,7 +63,7 @@ fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
 fn matmul_matches_cpu() {
     let (g, c) = (gpu(), CpuDevice::new());
     let mut r = Rng::fresh("matmul");
-    for &(m, n, k) in &[(1, 1, 1), (1, 577, 576), (3, 130, 67), (17, 1000, 129), (64, 256, 512), (200, 33, 1000), (5, 4099, 2048), (8, 300, 4096), (8, 129, 64), (2, 64, 1000)] {
+    for &(m, n, k) in &[(1, 1, 1), (1, 577, 576), (3, 130, 67), (17, 1000, 129), (64, 256, 512), (200, 33, 1000), (5, 4099, 2048), (8, 300, 4096), (8, 129, 64), (2, 64, 1000), (1, 4099, 4096), (1, 33, 14336), (1, 1000, 1000), (1, 7, 8), (1, 130, 67), (1, 9, 520)] {
         for dtype in [DType::Bf16, DType::F32] {
             for with_bias in [false, true] {
                 let x = r.vec(m * k, 1.0);
@@ -176,15 +176,18 @@ fn rope_matches_cpu() {
 }
 
 /// Varlen prefill of several sequences (block tables scattered over a shuffled pool), then a
-/// decode step of one row each: both steps' outputs against the CPU.
+/// decode step of one row each, then a prefill chunk continuing each sequence (new rows attend to
+/// a cached prefix): every step's output against the CPU. Lengths straddle the prefill kernel's
+/// 64-row and 64-key tiles; head dims that are not multiples of its 32-dim padding.
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn paged_attention_matches_cpu() {
     let (g, c) = (gpu(), CpuDevice::new());
     let mut r = Rng::fresh("attention");
-    for &(nh, nkv, hd, bs) in &[(4, 4, 16, 16), (9, 3, 64, 16), (32, 8, 128, 16), (6, 2, 80, 8)] {
-        let lens = [1usize, 5, 17, 40, 130];
-        let max_blocks = (lens.iter().max().unwrap() + 2).div_ceil(bs);
+    for &(nh, nkv, hd, bs) in &[(4, 4, 16, 16), (9, 3, 64, 16), (32, 8, 128, 16), (6, 2, 80, 8), (8, 2, 96, 16), (4, 1, 40, 16), (2, 2, 8, 16), (3, 1, 20, 16)] {
+        let lens = [1usize, 5, 17, 40, 64, 130, 200, 3]; // 8 rows in the decode step
+        let chunk = 70;
+        let max_blocks = (lens.iter().max().unwrap() + 1 + chunk).div_ceil(bs);
         let num_blocks = lens.len() * max_blocks + 3;
         let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
         for i in (1..pool.len()).rev() {
@@ -195,10 +198,14 @@ fn paged_attention_matches_cpu() {
         let (mut kc, mut kg) = (c.alloc_kv(layout), g.alloc_kv(layout));
         let width = (nh + 2 * nkv) * hd;
         let scale = 1.0 / (hd as f32).sqrt();
-        for step in 0..2 {
+        for step in 0..3 {
             let (mut starts, mut positions, mut ctx) = (vec![0u32], Vec::new(), Vec::new());
             for &l in &lens {
-                let (from, to) = if step == 0 { (0, l) } else { (l, l + 1) };
+                let (from, to) = match step {
+                    0 => (0, l),
+                    1 => (l, l + 1),
+                    _ => (l + 1, l + 1 + chunk),
+                };
                 positions.extend(from as u32..to as u32);
                 starts.push(positions.len() as u32);
                 ctx.push(to as u32);
@@ -213,5 +220,86 @@ fn paged_attention_matches_cpu() {
             // The GPU cache holds bf16 keys and values.
             check(&format!("attention heads={nh}/{nkv} hd={hd} bs={bs} step={step} rows={rows}"), &host(&g, &og, rows * nh * hd), &oc.as_cpu()[..rows * nh * hd], 1e-2);
         }
+    }
+}
+
+/// Bandwidth of the single-row GEMV on the Llama-3.1-8B shapes against a device-to-device copy, in
+/// the same process (prints a table; asserts only that the numbers are finite). Three copies of
+/// each weight are rotated so a matrix that fits in L2 is not measured from L2.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn gemv_bandwidth_vs_copy() {
+    let g = gpu();
+    let copy_len = 256 << 20; // 1 GiB of floats each way
+    let (src, mut dst) = (g.tensor_from(&vec![1.5f32; copy_len]), g.alloc(copy_len));
+    let copy_ms = g.time_ms(20, &mut || g.copy(&src, &mut dst, copy_len)).unwrap();
+    let copy_tb_s = 2.0 * (copy_len * 4) as f64 / (copy_ms * 1e-3) / 1e12;
+    eprintln!("gemv bandwidth: copy {copy_tb_s:.2} TB/s (read + write)");
+    let (h, kv, ffn, vocab) = (4096usize, 1024usize, 14336usize, 128256usize);
+    let shapes = [("qkv", h + 2 * kv, h, 32), ("o", h, h, 32), ("gate_up", 2 * ffn, h, 32), ("down", h, ffn, 32), ("lm_head", vocab, h, 1)];
+    let (mut step_ms, mut step_bytes) = (0.0, 0.0);
+    for (name, n, k, per_step) in shapes {
+        let w: Vec<f32> = (0..n * k).map(|i| ((i % 251) as f32 - 125.0) * 1e-3).collect();
+        let copies = if n * k * 2 > (512 << 20) { 1 } else { 3 };
+        let ws: Vec<Weight> = (0..copies).map(|_| g.load_weight(Weight::from_f32(n, k, w.clone(), DType::Bf16))).collect();
+        drop(w);
+        let x = g.tensor_from(&(0..k).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect::<Vec<_>>());
+        let mut y = g.alloc(n);
+        let mut i = 0;
+        let ms = g
+            .time_ms(30, &mut || {
+                g.matmul(&x, 1, &ws[i % copies], None, &mut y);
+                i += 1;
+            })
+            .unwrap();
+        let bytes = (n * k * 2) as f64;
+        let tb_s = bytes / (ms * 1e-3) / 1e12;
+        assert!(tb_s.is_finite() && tb_s > 0.0);
+        eprintln!("gemv bandwidth: {name:<8} {n:>6}x{k:<6} {:>8.1} us {tb_s:>6.2} TB/s = {:.2} of copy", ms * 1e3, tb_s / copy_tb_s);
+        step_ms += ms * per_step as f64;
+        step_bytes += bytes * per_step as f64;
+    }
+    eprintln!(
+        "gemv bandwidth: one 8B decode step's GEMVs back to back {step_ms:.2} ms for {:.2} GB = {:.2} TB/s; weight-streaming bound {:.2} ms",
+        step_bytes / 1e9,
+        step_bytes / (step_ms * 1e-3) / 1e12,
+        step_bytes / (copy_tb_s * 1e12) * 1e3
+    );
+}
+
+/// Norms, SiLU·mul and prefill attention hand a cuBLAS GEMM the bf16 copy of their output, made in
+/// the same pass. It must be used only when nothing has touched that output since: here the
+/// output is changed in between (add_inplace, an upload), and the GEMM must see the change.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn gemm_input_copy_is_not_reused_after_a_change() {
+    let (g, c) = (gpu(), CpuDevice::new());
+    let mut r = Rng::fresh("gemm input copy");
+    let (rows, dim, n) = (5, 64, 48);
+    let (x, d, nw) = (r.vec(rows * dim, 2.0), r.vec(rows * dim, 3.0), r.vec(dim, 1.0));
+    let w = r.vec(n * dim, 0.5);
+    let (wc, wg) = (c.load_weight(Weight::from_f32(n, dim, w.clone(), DType::Bf16)), g.load_weight(Weight::from_f32(n, dim, w, DType::Bf16)));
+    let (nc, ng) = (c.tensor_from(&nw), g.tensor_from(&nw));
+    let (xc, xg) = (c.tensor_from(&x), g.tensor_from(&x));
+    let (dc, dg) = (c.tensor_from(&d), g.tensor_from(&d));
+    for change in ["none", "add_inplace", "upload"] {
+        let (mut oc, mut og) = (poisoned(&c, rows * dim), poisoned(&g, rows * dim));
+        c.rms_norm(&xc, &nc, 1e-5, rows, dim, &mut oc);
+        g.rms_norm(&xg, &ng, 1e-5, rows, dim, &mut og);
+        match change {
+            "add_inplace" => {
+                c.add_inplace(&mut oc, &dc, rows * dim);
+                g.add_inplace(&mut og, &dg, rows * dim);
+            }
+            "upload" => {
+                c.upload(&d, &mut oc);
+                g.upload(&d, &mut og);
+            }
+            _ => {}
+        }
+        let (mut yc, mut yg) = (poisoned(&c, rows * n), poisoned(&g, rows * n));
+        c.matmul(&oc, rows, &wc, None, &mut yc);
+        g.matmul(&og, rows, &wg, None, &mut yg);
+        check(&format!("rms_norm, {change}, matmul"), &host(&g, &yg, rows * n), &yc.as_cpu()[..rows * n], 1e-2);
     }
 }

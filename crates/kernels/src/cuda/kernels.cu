@@ -39,13 +39,27 @@ __device__ float block_sum(float v, float* sh) {
     return sh[32];
 }
 
+// Programmatic dependent launch (sm_90+; see `launch` in mod.rs): a kernel may be scheduled
+// while its predecessor on the stream still drains. Every kernel therefore waits for the
+// predecessor's completion (griddepcontrol.wait: a no-op when not launched that way) before it
+// touches memory another kernel writes, then lets its own successor be scheduled. Only reads of
+// weights (never written by a kernel) may come before it.
+__device__ __forceinline__ void pdl_entry() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16_t* __restrict__ y, long n) {
+    pdl_entry();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] = f2bf(x[i]);
 }
 
 // x ≈ hi + lo with both in bf16 (hi = bf16(x), lo = bf16(x − hi)): two bf16 GEMMs then carry
 // ~16 bits of the f32 activations instead of 8.
 extern "C" __global__ void f32_to_bf16_split(const float* __restrict__ x, bf16_t* __restrict__ hi, bf16_t* __restrict__ lo, long n) {
+    pdl_entry();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         bf16_t h = f2bf(x[i]);
         hi[i] = h;
@@ -54,61 +68,119 @@ extern "C" __global__ void f32_to_bf16_split(const float* __restrict__ x, bf16_t
 }
 
 extern "C" __global__ void add_bias(float* __restrict__ y, const float* __restrict__ b, int cols, long n) {
+    pdl_entry();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] += b[i % cols];
 }
 
 extern "C" __global__ void add_inplace(float* __restrict__ a, const float* __restrict__ b, long n) {
+    pdl_entry();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) a[i] += b[i];
 }
 
 // One block per row.
 extern "C" __global__ void embedding_bf16(const bf16_t* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim) {
+    pdl_entry();
     const bf16_t* src = table + (size_t)ids[blockIdx.x] * dim;
     float* dst = out + (size_t)blockIdx.x * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = bf2f(src[i]);
 }
 
 extern "C" __global__ void embedding_f32(const float* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim) {
+    pdl_entry();
     const float* src = table + (size_t)ids[blockIdx.x] * dim;
     float* dst = out + (size_t)blockIdx.x * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = src[i];
 }
 
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ rows, float* __restrict__ out, int dim) {
+    pdl_entry();
     const float* src = x + (size_t)rows[blockIdx.x] * dim;
     float* dst = out + (size_t)blockIdx.x * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = src[i];
 }
 
-// out = x / sqrt(mean(x²) + eps) * w, one block per row.
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int dim, float eps) {
-    __shared__ float sh[33];
-    const float* xr = x + (size_t)blockIdx.x * dim;
-    float* o = out + (size_t)blockIdx.x * dim;
-    float s = 0.f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = xr[i]; s += v * v; }
+// Ops whose output feeds a cuBLAS GEMM take `outb` (or null): a bf16 copy of `out` written in the
+// same pass, so the GEMM needs no separate f32 → bf16 conversion of its input (mod.rs: `shadow`).
+
+// Four floats as bf16 into 8 bytes.
+__device__ __forceinline__ void store_bf16x4(bf16_t* p, float4 v) {
+    *reinterpret_cast<uint2*>(p) = make_uint2((u32)f2bf(v.x) | ((u32)f2bf(v.y) << 16), (u32)f2bf(v.z) | ((u32)f2bf(v.w) << 16));
+}
+
+__device__ __forceinline__ float4 norm4(float4 v, float inv, float4 w) {
+    return make_float4((v.x * inv) * w.x, (v.y * inv) * w.y, (v.z * inv) * w.z, (v.w * inv) * w.w);
+}
+
+// Second pass of both norms: given this thread's partial sum of squares of row `x` (already
+// offset to the row), out = x / sqrt(mean(x²) + eps) * w, and its bf16 copy when `outb`.
+__device__ __forceinline__ void rms_finish(const float* x, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, int dim,
+                                           float eps, float s, float* sh) {
     s = block_sum(s, sh);
-    float inv = rsqrtf(s / dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = (xr[i] * inv) * w[i];
+    const float inv = rsqrtf(s / dim + eps);
+    if ((dim & 3) == 0) {
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            const float4 v = norm4(x4[i], inv, w4[i]);
+            reinterpret_cast<float4*>(out)[i] = v;
+            if (outb) store_bf16x4(outb + 4 * i, v);
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = (x[i] * inv) * w[i];
+        out[i] = v;
+        if (outb) outb[i] = f2bf(v);
+    }
+}
+
+// out = x / sqrt(mean(x²) + eps) * w, one block per row; 16-byte accesses when dim % 4 == 0
+// (the host gives a block up to one thread per 4 elements, so a decode row is one load each).
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, int dim, float eps) {
+    pdl_entry();
+    __shared__ float sh[33];
+    const size_t base = (size_t)blockIdx.x * dim;
+    float s = 0.f;
+    if ((dim & 3) == 0) {
+        const float4* x4 = reinterpret_cast<const float4*>(x + base);
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            const float4 v = x4[i];
+            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = x[base + i]; s += v * v; }
+    }
+    rms_finish(x + base, w, out + base, outb ? outb + base : nullptr, dim, eps, s, sh);
 }
 
 // resid += delta; out = rmsnorm(resid) * w. Each thread rereads only the elements it wrote.
-extern "C" __global__ void add_rms_norm(float* __restrict__ resid, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out, int dim, float eps) {
+extern "C" __global__ void add_rms_norm(float* __restrict__ resid, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out,
+                                        bf16_t* __restrict__ outb, int dim, float eps) {
+    pdl_entry();
     __shared__ float sh[33];
-    float* r = resid + (size_t)blockIdx.x * dim;
-    const float* d = delta + (size_t)blockIdx.x * dim;
-    float* o = out + (size_t)blockIdx.x * dim;
+    const size_t base = (size_t)blockIdx.x * dim;
     float s = 0.f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = r[i] + d[i]; r[i] = v; s += v * v; }
-    s = block_sum(s, sh);
-    float inv = rsqrtf(s / dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = (r[i] * inv) * w[i];
+    if ((dim & 3) == 0) {
+        float4* r4 = reinterpret_cast<float4*>(resid + base);
+        const float4* d4 = reinterpret_cast<const float4*>(delta + base);
+        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
+            float4 v = r4[i];
+            const float4 d = d4[i];
+            v.x += d.x, v.y += d.y, v.z += d.z, v.w += d.w;
+            r4[i] = v;
+            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = resid[base + i] + delta[base + i]; resid[base + i] = v; s += v * v; }
+    }
+    rms_finish(resid + base, w, out + base, outb ? outb + base : nullptr, dim, eps, s, sh);
 }
 
 // Rotate-half RoPE on the q and k heads of each fused qkv row. One block per row; threads
 // walk (head, pair) indices.
 extern "C" __global__ void rope_qk(float* __restrict__ qkv, const u32* __restrict__ positions, const float* __restrict__ cos_t,
                                    const float* __restrict__ sin_t, int heads_qk, int head_dim, int half, int width, int max_pos) {
+    pdl_entry();
     int r = blockIdx.x;
     int pos = min((int)positions[r], max_pos - 1);
     const float* c = cos_t + (size_t)pos * half;
@@ -123,13 +195,31 @@ extern "C" __global__ void rope_qk(float* __restrict__ qkv, const u32* __restric
     }
 }
 
-extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ out, int inter, long n) {
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
+// out[r, i] = silu(gu[r, i]) · gu[r, inter + i]; 16-byte accesses when inter % 4 == 0.
+extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ out, bf16_t* __restrict__ outb, int inter, long n) {
+    pdl_entry();
+    if ((inter & 3) == 0) {
+        const int q = inter / 4;
+        const float4* gu4 = reinterpret_cast<const float4*>(gu);
+        float4* o4 = reinterpret_cast<float4*>(out);
+        for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n / 4; idx += (long)gridDim.x * blockDim.x) {
+            const long r = idx / q;
+            const int i = (int)(idx - r * q);
+            const float4 g = gu4[r * 2 * q + i], u = gu4[r * 2 * q + q + i];
+            const float4 v = make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
+            o4[idx] = v;
+            if (outb) store_bf16x4(outb + 4 * idx, v);
+        }
+        return;
+    }
     for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
         long r = idx / inter;
         int i = (int)(idx - r * inter);
-        float g = gu[r * 2 * inter + i];
-        float u = gu[r * 2 * inter + inter + i];
-        out[idx] = g / (1.f + expf(-g)) * u;
+        const float v = silu_times(gu[r * 2 * inter + i], gu[r * 2 * inter + inter + i]);
+        out[idx] = v;
+        if (outb) outb[idx] = f2bf(v);
     }
 }
 
@@ -137,6 +227,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restr
 extern "C" __global__ void kv_write(const float* __restrict__ qkv, const u32* __restrict__ row_seq, const u32* __restrict__ positions,
                                     const u32* __restrict__ block_tables, int bt_stride, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
                                     int n_heads, int n_kv, int head_dim, int block_size) {
+    pdl_entry();
     int r = blockIdx.x;
     int width = (n_heads + 2 * n_kv) * head_dim;
     int kvw = n_kv * head_dim;
@@ -151,17 +242,20 @@ extern "C" __global__ void kv_write(const float* __restrict__ qkv, const u32* __
     }
 }
 
-#define ATTN_WARPS 8
+#define ATTN_WARPS 16 // most warps per block (mod.rs: attn_threads)
 #define MAX_DPL 8 // dims per lane: head_dim <= 256
 
 // Causal attention of each new row against its sequence's cache, up to and including its own
 // position. Grid (rows, n_heads), ATTN_WARPS warps per block. Each warp walks a strided share of
 // the context with an online softmax; lane l owns dims l, l+32, ...; the warps' partial states
 // are merged through shared memory at the end.
+// The block may have 1..ATTN_WARPS warps (the host gives small batches all of them: fewer keys
+// per warp, less latency; large batches fewer, so more blocks fit on an SM).
 extern "C" __global__ void paged_attention(const float* __restrict__ qkv, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
                                            const u32* __restrict__ row_seq, const u32* __restrict__ positions,
                                            const u32* __restrict__ block_tables, int bt_stride, float* __restrict__ out,
                                            int n_heads, int n_kv, int head_dim, int block_size, float scale) {
+    pdl_entry();
     __shared__ float sm_m[ATTN_WARPS], sm_l[ATTN_WARPS];
     __shared__ float sm_acc[ATTN_WARPS][MAX_DPL * 32];
     int r = blockIdx.x, h = blockIdx.y;
@@ -172,6 +266,7 @@ extern "C" __global__ void paged_attention(const float* __restrict__ qkv, const 
     int ctx = (int)positions[r] + 1;
     const u32* table = block_tables + (size_t)row_seq[r] * bt_stride;
     const float* q = qkv + (size_t)r * width + h * head_dim;
+    const int nw = blockDim.x >> 5;
 
     float qv[MAX_DPL], acc[MAX_DPL];
 #pragma unroll
@@ -181,7 +276,8 @@ extern "C" __global__ void paged_attention(const float* __restrict__ qkv, const 
         acc[j] = 0.f;
     }
     float m = -__int_as_float(0x7f800000), l = 0.f;
-    for (int t = warp; t < ctx; t += ATTN_WARPS) {
+#pragma unroll 2
+    for (int t = warp; t < ctx; t += nw) {
         size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
         const bf16_t* k = kc + slot * kvw + kvh * head_dim;
         const bf16_t* v = vc + slot * kvw + kvh * head_dim;
@@ -211,18 +307,18 @@ extern "C" __global__ void paged_attention(const float* __restrict__ qkv, const 
     }
     __syncthreads();
     float M = -__int_as_float(0x7f800000);
-    for (int w = 0; w < ATTN_WARPS; w++) M = fmaxf(M, sm_m[w]);
+    for (int w = 0; w < nw; w++) M = fmaxf(M, sm_m[w]);
     float L = 0.f;
-    for (int w = 0; w < ATTN_WARPS; w++) L += sm_l[w] * __expf(sm_m[w] - M);
+    for (int w = 0; w < nw; w++) L += sm_l[w] * __expf(sm_m[w] - M);
     float* o = out + (size_t)r * n_heads * head_dim + h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float s = 0.f;
-        for (int w = 0; w < ATTN_WARPS; w++) s += sm_acc[w][d] * __expf(sm_m[w] - M);
+        for (int w = 0; w < nw; w++) s += sm_acc[w][d] * __expf(sm_m[w] - M);
         o[d] = s / L;
     }
 }
 
-// ---- small-M GEMV: y[m, n] = x[m, :] · W[n, :] (+ bias[n]) for M ≤ 8 rows, bf16 W -----------
+// ---- small-M GEMV: y[m, n] = x[m, :] · W[n, :] (+ bias[n]) for M ≤ 8 rows, bf16 W, any k ---------
 // Decode is bandwidth-bound on W: one warp per output column streams its W row once with 16-byte
 // loads and applies it to all M input rows (f32, read through the cache), so W is read once per
 // step whatever M is. Each (m, n) accumulates in the same order for every M, so a row's result
@@ -268,96 +364,322 @@ __device__ __forceinline__ void gemv_bf16_impl(const float* __restrict__ x, cons
 }
 
 #define GEMV(M) \
-    extern "C" __global__ void gemv_bf16_##M(const float* x, const bf16_t* w, const float* bias, float* y, int n, int k) { gemv_bf16_impl<M>(x, w, bias, y, n, k); }
-GEMV(1) GEMV(2) GEMV(3) GEMV(4) GEMV(5) GEMV(6) GEMV(7) GEMV(8)
+    extern "C" __global__ void gemv_bf16_##M(const float* x, const bf16_t* w, const float* bias, float* y, int n, int k) { pdl_entry(); gemv_bf16_impl<M>(x, w, bias, y, n, k); }
+GEMV(1) // the fallback for k % 8 != 0 (gemv1_bf16 below handles the rest)
 
-// ---- prefill attention, tiled ------------------------------------------------------------------
-// A block takes up to PQ consecutive query rows of one sequence (one warp each) and one head,
-// and walks the context in tiles of PK keys staged in shared memory (bf16 → f32 once per block
-// instead of once per row). Lane j scores key j of the tile; the warp then folds the tile into
-// its online softmax and accumulates P·V with lane l owning dims l, l+32, ... Rows of a sequence
-// within a step have ascending positions, so a tile's last row sees the longest context.
-// `tiles` holds (first row, row count, sequence) per block. head_dim ≤ 128.
-#define PQ 8
-#define PK 32
 
-extern "C" __global__ void prefill_attention(const float* __restrict__ qkv, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
-                                             const u32* __restrict__ tiles, const u32* __restrict__ positions,
-                                             const u32* __restrict__ block_tables, int bt_stride, float* __restrict__ out,
-                                             int n_heads, int n_kv, int head_dim, int block_size, float scale) {
-    extern __shared__ float smem[];
-    const int hd = head_dim, hdp = head_dim + 1;
-    float* ks = smem;            // [PK][hd + 1] (padded: lanes read different rows)
-    float* vs = ks + PK * hdp;   // [PK][hd]
-    float* qs = vs + PK * hd;    // [PQ][hd]
-    float* ps = qs + PQ * hd;    // [PQ][PK]
+// ---- single-row GEMV for decode -----------------------------------------------------------------
+// y[n] = x · W[n, :]ᵀ (+ bias[n]) for one f32 row x and bf16 W, k % 8 == 0. Batch-1 decode streams
+// every weight once per step, so this kernel is the step's bound. Each warp owns GV_ROWS rows and
+// streams them through its own GV_STAGES-deep ring in shared memory with cp.async (16 bytes per
+// lane, L1 bypassed): GV_STAGES - 1 stages stay in flight while one is consumed. (Loads into
+// registers let ptxas sink them next to their FMAs, leaving only ~3 in flight per lane.) Each lane
+// reads back only the slots it copied itself, so the ring needs no barrier. x (f32) is read
+// through L1, shared by all warps of the SM.
+#define GV_ROWS 2
+#define GV_U 2
+#define GV_STAGES 4
+#define GV_WARPS 4
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ float dot8(uint4 p, float4 a, float4 b, float acc) {
+    acc = fmaf(__uint_as_float(p.x << 16), a.x, acc);
+    acc = fmaf(__uint_as_float(p.x & 0xffff0000u), a.y, acc);
+    acc = fmaf(__uint_as_float(p.y << 16), a.z, acc);
+    acc = fmaf(__uint_as_float(p.y & 0xffff0000u), a.w, acc);
+    acc = fmaf(__uint_as_float(p.z << 16), b.x, acc);
+    acc = fmaf(__uint_as_float(p.z & 0xffff0000u), b.y, acc);
+    acc = fmaf(__uint_as_float(p.w << 16), b.z, acc);
+    acc = fmaf(__uint_as_float(p.w & 0xffff0000u), b.w, acc);
+    return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) gemv1_bf16(const float* __restrict__ x, const bf16_t* __restrict__ w,
+                                                                      const float* __restrict__ bias, float* __restrict__ y, int n, int k) {
+    __shared__ uint4 ring[GV_WARPS][GV_STAGES][GV_ROWS][GV_U][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * GV_WARPS + warp) * GV_ROWS;
+    if (row0 >= n) return;
+    const int k8 = k >> 3;
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const uint4* wr[GV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GV_ROWS; r++) wr[r] = reinterpret_cast<const uint4*>(w + (size_t)min(row0 + r, n - 1) * k);
+    const int per = 32 * GV_U; // 16-byte chunks of a row per stage
+    const int stages = k8 / per;
+    auto issue = [&](int s) {
+        if (s < stages) {
+#pragma unroll
+            for (int r = 0; r < GV_ROWS; r++)
+#pragma unroll
+                for (int u = 0; u < GV_U; u++) cp_async16(&ring[warp][s % GV_STAGES][r][u][lane], wr[r] + s * per + u * 32 + lane);
+        }
+        cp_async_commit(); // empty groups keep the count uniform
+    };
+    // W is never written by a kernel: its first stages are requested before waiting for the
+    // kernel that produced x.
+#pragma unroll
+    for (int s = 0; s < GV_STAGES - 1; s++) issue(s);
+    pdl_entry();
+    float acc[GV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GV_ROWS; r++) acc[r] = 0.f;
+    for (int s = 0; s < stages; s++) {
+        issue(s + GV_STAGES - 1);
+        cp_async_wait<GV_STAGES - 1>();
+#pragma unroll
+        for (int u = 0; u < GV_U; u++) {
+            const int i = s * per + u * 32 + lane;
+            const float4 a = __ldg(x4 + 2 * i), b = __ldg(x4 + 2 * i + 1);
+#pragma unroll
+            for (int r = 0; r < GV_ROWS; r++) acc[r] = dot8(ring[warp][s % GV_STAGES][r][u][lane], a, b, acc[r]);
+        }
+    }
+    for (int i = stages * per + lane; i < k8; i += 32) {
+        const float4 a = __ldg(x4 + 2 * i), b = __ldg(x4 + 2 * i + 1);
+#pragma unroll
+        for (int r = 0; r < GV_ROWS; r++) acc[r] = dot8(__ldg(wr[r] + i), a, b, acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < GV_ROWS; r++) {
+        const float s = warp_sum(acc[r]);
+        if (lane == 0 && row0 + r < n) y[row0 + r] = s + (bias ? bias[row0 + r] : 0.f);
+    }
+}
+
+// ---- prefill attention on tensor cores ----------------------------------------------------------
+// Flash-attention style: a block takes FA_BM consecutive query rows of one sequence (16 per warp)
+// and one head, stages K/V tiles of FA_BN keys from the paged cache (bf16, straight from the block
+// table) in shared memory, computes S = Q·Kᵀ and O += P·V with mma.sync m16n8k16 (bf16 operands,
+// f32 accumulation) and keeps the softmax online in f32 (exp2 with log2 e folded into Q's scale).
+// Q and P are rounded to bf16 for the tensor cores, as flash attention does. Causal per row: key t
+// is visible to a row at position p iff t <= p (rows of a sequence have ascending positions).
+// `tiles` holds (first row, row count, sequence) per block. HD is head_dim rounded up to a multiple
+// of 32 (padding dims are zero in Q, K and V). K/V tiles are double-buffered: the next tile's
+// cp.async copies are in flight while the current one is multiplied. Dynamic shared memory:
+// fa_smem_bytes(HD) (over the default 48 KB for HD = 128: the host raises the limit).
+#define FA_BM 64
+#define FA_BN 64
+#define FA_THREADS 128
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16 bytes global → shared, or 16 zero bytes when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// d += a · b for one m16n8k16 tile (a row-major 16×16, b column-major 16×8, bf16; d f32).
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as bf16 (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+template <int HD>
+__device__ __forceinline__ void flash_prefill(const float* __restrict__ qkv, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
+                                              const u32* __restrict__ tiles, const u32* __restrict__ positions,
+                                              const u32* __restrict__ block_tables, int bt_stride, float* __restrict__ out,
+                                              bf16_t* __restrict__ outb, int n_heads, int n_kv, int hd, int block_size, float scale) {
+    constexpr int LD = HD + 8; // row stride in bf16: 16 bytes of padding make ldmatrix conflict-free
+    constexpr int NS = FA_BN / 8, NO = HD / 8, KQ = HD / 16;
+    extern __shared__ __align__(16) bf16_t fa_smem[]; // [2 buffers][K, V][FA_BN][LD]
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const int tile = gridDim.x - 1 - blockIdx.x; // longest contexts first: less tail
     const int h = blockIdx.y;
-    const int row0 = tiles[3 * blockIdx.x], nrows = tiles[3 * blockIdx.x + 1], seq = tiles[3 * blockIdx.x + 2];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row0 = tiles[3 * tile], nrows = tiles[3 * tile + 1], seq = tiles[3 * tile + 2];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int width = (n_heads + 2 * n_kv) * hd, kvw = n_kv * hd;
     const int kvh = h / (n_heads / n_kv);
     const u32* table = block_tables + (size_t)seq * bt_stride;
-    for (int i = threadIdx.x; i < PQ * hd; i += blockDim.x) {
-        int r = i / hd, d = i - r * hd;
-        qs[i] = r < nrows ? qkv[(size_t)(row0 + r) * width + h * hd + d] * scale : 0.f;
-    }
-    const bool active = warp < nrows;
-    const int pos = active ? (int)positions[row0 + warp] : -1;
     const int maxpos = (int)positions[row0 + nrows - 1];
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    float m = -__int_as_float(0x7f800000), l = 0.f;
-    for (int t0 = 0; t0 <= maxpos; t0 += PK) {
-        __syncthreads();
-        for (int i = threadIdx.x; i < PK * hd; i += blockDim.x) {
-            int j = i / hd, d = i - j * hd, t = t0 + j;
-            float kk = 0.f, vv = 0.f;
-            if (t <= maxpos) {
-                size_t off = ((size_t)table[t / block_size] * block_size + t % block_size) * kvw + kvh * hd + d;
-                kk = bf2f(kc[off]);
-                vv = bf2f(vc[off]);
-            }
-            ks[j * hdp + d] = kk;
-            vs[j * hd + d] = vv;
-        }
-        __syncthreads();
-        if (!active || t0 > pos) continue;
-        const int t = t0 + lane;
-        float s = -__int_as_float(0x7f800000);
-        if (t <= pos) {
-            const float* q = qs + warp * hd;
-            const float* kr = ks + lane * hdp;
-            float a = 0.f;
-            for (int d = 0; d < hd; d++) a += q[d] * kr[d];
-            s = a;
-        }
-        float tm = s;
-        for (int o = 16; o > 0; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
-        const float mn = fmaxf(m, tm);
-        const float p = t <= pos ? __expf(s - mn) : 0.f;
-        const float corr = __expf(m - mn);
-        l = l * corr + warp_sum(p);
-        ps[warp * PK + lane] = p;
-        __syncwarp();
-        const int tn = min(PK, pos - t0 + 1);
+
+    // Copies K/V tile `it` into buffer `b` (zeros past the context and in padding dims).
+    auto load_tile = [&](int it, int b) {
+        bf16_t* ks = fa_smem + b * 2 * FA_BN * LD;
+        bf16_t* vs = ks + FA_BN * LD;
+        constexpr int CH = HD / 8; // 16-byte chunks per row
 #pragma unroll
-        for (int j = 0; j < 4; j++) acc[j] *= corr;
-        for (int jj = 0; jj < tn; jj++) {
-            const float pj = ps[warp * PK + jj];
+        for (int i = tid; i < FA_BN * CH; i += FA_THREADS) {
+            const int j = i / CH, d = (i - j * CH) * 8, t = it * FA_BN + j;
+            const bool valid = t <= maxpos && d < hd;
+            size_t off = 0;
+            if (valid) off = ((size_t)table[t / block_size] * block_size + t % block_size) * kvw + kvh * hd + d;
+            if ((hd & 7) == 0) {
+                cp_async16_zfill(&ks[j * LD + d], kc + off, valid);
+                cp_async16_zfill(&vs[j * LD + d], vc + off, valid);
+            } else {
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                int d = lane + 32 * j;
-                if (d < hd) acc[j] += pj * vs[jj * hd + d];
+                for (int e = 0; e < 8; e++) {
+                    const bool in = valid && d + e < hd;
+                    ks[j * LD + d + e] = in ? kc[off + e] : (bf16_t)0;
+                    vs[j * LD + d + e] = in ? vc[off + e] : (bf16_t)0;
+                }
             }
         }
-        __syncwarp();
-        m = mn;
-    }
-    if (active) {
-        float* o = out + (size_t)(row0 + warp) * n_heads * hd + h * hd;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            int d = lane + 32 * j;
-            if (d < hd) o[d] = acc[j] / l;
+    };
+    load_tile(0, 0);
+    cp_async_commit();
+
+    // Q (scaled by scale · log2 e) → bf16, staged in buffer 1, then into A fragments.
+    {
+        bf16_t* qs = fa_smem + 2 * FA_BN * LD;
+        const float qscale = scale * 1.4426950408889634f;
+        for (int i = tid; i < FA_BM * HD; i += FA_THREADS) {
+            const int r = i / HD, d = i - r * HD;
+            const float v = (r < nrows && d < hd) ? qkv[(size_t)(row0 + r) * width + h * hd + d] * qscale : 0.f;
+            qs[r * LD + d] = f2bf(v);
         }
     }
+    __syncthreads();
+    u32 qf[KQ][4];
+#pragma unroll
+    for (int kk = 0; kk < KQ; kk++)
+        ldsm_x4(qf[kk], &fa_smem[2 * FA_BN * LD + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + kk * 16 + (lane >> 4) * 8]);
+
+    // This thread's two rows of the warp's 16 (mma C layout: rows lane/4 and lane/4 + 8).
+    const int rA = warp * 16 + (lane >> 2), rB = rA + 8;
+    const int posA = rA < nrows ? (int)positions[row0 + rA] : -1;
+    const int posB = rB < nrows ? (int)positions[row0 + rB] : -1;
+    const int wlast = min(warp * 16 + 15, nrows - 1);
+    const int wmax = warp * 16 < nrows ? (int)positions[row0 + wlast] : -1;
+    const int c2 = (lane & 3) * 2;
+
+    float o[NO][4];
+#pragma unroll
+    for (int j = 0; j < NO; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float mA = NEG_INF, mB = NEG_INF, lA = 0.f, lB = 0.f;
+
+    const int ntiles = maxpos / FA_BN + 1;
+    for (int it = 0; it < ntiles; it++) {
+        const int t0 = it * FA_BN;
+        __syncthreads(); // every warp is done with the buffer the next tile goes into (or with Q)
+        if (it + 1 < ntiles) load_tile(it + 1, (it + 1) & 1);
+        cp_async_commit();
+        cp_async_wait<1>(); // this thread's copies of tile `it` have landed
+        __syncthreads();    // ... and everyone's
+        const bf16_t* ks = fa_smem + (it & 1) * 2 * FA_BN * LD;
+        const bf16_t* vs = ks + FA_BN * LD;
+        if (t0 > wmax) continue; // every row of this warp is before the tile
+
+        // S = Q · Kᵀ (16 rows × FA_BN keys per warp).
+        float s[NS][4];
+#pragma unroll
+        for (int j = 0; j < NS; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KQ; kk++) {
+#pragma unroll
+            for (int jj = 0; jj < NS / 2; jj++) {
+                u32 b[4];
+                ldsm_x4(b, &ks[(jj * 16 + (lane & 7) + (lane >> 4) * 8) * LD + kk * 16 + ((lane >> 3) & 1) * 8]);
+                mma_bf16(s[2 * jj], qf[kk], b[0], b[1]);
+                mma_bf16(s[2 * jj + 1], qf[kk], b[2], b[3]);
+            }
+        }
+        // Causal mask, online softmax (each row's max and sum over the 4 lanes that hold it).
+        float mxA = mA, mxB = mB;
+#pragma unroll
+        for (int j = 0; j < NS; j++) {
+            const int t = t0 + j * 8 + c2;
+            if (t > posA) s[j][0] = NEG_INF;
+            if (t + 1 > posA) s[j][1] = NEG_INF;
+            if (t > posB) s[j][2] = NEG_INF;
+            if (t + 1 > posB) s[j][3] = NEG_INF;
+            mxA = fmaxf(mxA, fmaxf(s[j][0], s[j][1]));
+            mxB = fmaxf(mxB, fmaxf(s[j][2], s[j][3]));
+        }
+        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+        const float uA = mxA == NEG_INF ? 0.f : mxA, uB = mxB == NEG_INF ? 0.f : mxB;
+        const float cA = exp2f(mA - uA), cB = exp2f(mB - uB);
+        float sumA = 0.f, sumB = 0.f;
+#pragma unroll
+        for (int j = 0; j < NS; j++) {
+            s[j][0] = exp2f(s[j][0] - uA);
+            s[j][1] = exp2f(s[j][1] - uA);
+            s[j][2] = exp2f(s[j][2] - uB);
+            s[j][3] = exp2f(s[j][3] - uB);
+            sumA += s[j][0] + s[j][1];
+            sumB += s[j][2] + s[j][3];
+        }
+        lA = lA * cA + sumA;
+        lB = lB * cB + sumB;
+        mA = mxA;
+        mB = mxB;
+#pragma unroll
+        for (int j = 0; j < NO; j++) {
+            o[j][0] *= cA;
+            o[j][1] *= cA;
+            o[j][2] *= cB;
+            o[j][3] *= cB;
+        }
+        // O += P · V: the S accumulators are already in the A-fragment layout.
+#pragma unroll
+        for (int kk = 0; kk < FA_BN / 16; kk++) {
+            u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                        pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int np = 0; np < NO / 2; np++) {
+                u32 b[4];
+                ldsm_x4_t(b, &vs[(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + np * 16 + (lane >> 4) * 8]);
+                mma_bf16(o[2 * np], a, b[0], b[1]);
+                mma_bf16(o[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+    }
+    lA += __shfl_xor_sync(0xffffffffu, lA, 1);
+    lA += __shfl_xor_sync(0xffffffffu, lA, 2);
+    lB += __shfl_xor_sync(0xffffffffu, lB, 1);
+    lB += __shfl_xor_sync(0xffffffffu, lB, 2);
+    // Row r's output from the accumulator half `hi` (0: rows lane/4, 1: rows lane/4 + 8).
+    auto store = [&](int r, float l, int hi) {
+        if (r >= nrows) return;
+        const size_t at = (size_t)(row0 + r) * n_heads * hd + h * hd;
+        float* orow = out + at;
+        bf16_t* brow = outb ? outb + at : nullptr;
+        const float inv = 1.f / l;
+#pragma unroll
+        for (int j = 0; j < NO; j++) {
+            const int d = j * 8 + c2;
+            const float v0 = o[j][2 * hi] * inv, v1 = o[j][2 * hi + 1] * inv;
+            if (d < hd) orow[d] = v0;
+            if (d + 1 < hd) orow[d + 1] = v1;
+            if (brow && d < hd) brow[d] = f2bf(v0);
+            if (brow && d + 1 < hd) brow[d + 1] = f2bf(v1);
+        }
+    };
+    store(rA, lA, 0);
+    store(rB, lB, 1);
 }
+
+#define FLASH_PREFILL(HD)                                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) prefill_attention_##HD(                                                            \
+        const float* qkv, const bf16_t* kc, const bf16_t* vc, const u32* tiles, const u32* positions, const u32* block_tables, int bt_stride,   \
+        float* out, bf16_t* outb, int n_heads, int n_kv, int hd, int block_size, float scale) {                                                  \
+        pdl_entry();                                                                                                                             \
+        flash_prefill<HD>(qkv, kc, vc, tiles, positions, block_tables, bt_stride, out, outb, n_heads, n_kv, hd, block_size, scale);             \
+    }
+FLASH_PREFILL(32) FLASH_PREFILL(64) FLASH_PREFILL(96) FLASH_PREFILL(128)

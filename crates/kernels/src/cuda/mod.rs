@@ -88,17 +88,20 @@ struct Kernels {
     silu_mul: sys::CUfunction,
     kv_write: sys::CUfunction,
     paged_attention: sys::CUfunction,
-    prefill_attention: sys::CUfunction,
-    /// `gemv_bf16[m - 1]` handles m rows.
-    gemv_bf16: [sys::CUfunction; GEMV_KERNELS],
+    /// Tensor-core prefill attention for head_dim rounded up to 32, 64, 96, 128.
+    prefill_attention: [sys::CUfunction; 4],
+    /// Single-row GEMV for k % 8 == 0 (cp.async-streamed W), and the plain one for any k.
+    gemv1_bf16: sys::CUfunction,
+    gemv_bf16_any_k: sys::CUfunction,
 }
 
 /// Up to this many rows a bf16 GEMM runs as our GEMV (W streamed once, f32 input, bias fused)
 /// instead of a cuBLAS GEMM on bf16-converted input, and a step may be recorded as a CUDA graph.
-/// The kernel handles up to 8 rows, but on the H200 a 4-row step took 10.4 ms against 6.8 ms
-/// for a 16-row cuBLAS step (each warp re-reads the x rows per W load), so only single-row
-/// steps use it for now.
+/// (A multi-row GEMV measured slower than cuBLAS on the H200: 10.4 ms for a 4-row 8B step
+/// against 6.8 ms for 16 rows through cuBLAS.)
 const GEMV_MAX_M: usize = 1;
+/// Output rows per block of `gemv1_bf16` (`GV_ROWS` × `GV_WARPS` in kernels.cu).
+const GEMV1_ROWS_PER_BLOCK: usize = 8;
 /// Largest head the attention kernels hold in registers (`MAX_DPL` × 32 in kernels.cu).
 const MAX_HEAD_DIM: usize = 256;
 /// cuBLAS workspace (NVIDIA's recommendation for Hopper).
@@ -111,10 +114,17 @@ const GRAPH_MAX_ROWS: usize = 256;
 /// Largest GEMM input width a recorded step may need: the bf16 input scratch is sized for it
 /// before recording, since growing it inside a recording is not allowed.
 const GRAPH_MAX_K: usize = 1 << 16;
-/// Rows the GEMV kernels are instantiated for (`gemv_bf16_1..8` in kernels.cu).
-const GEMV_KERNELS: usize = 8;
-/// Query rows per block of the tiled prefill attention (`PQ` in kernels.cu).
-const PREFILL_ROWS: usize = 8;
+/// Query rows per block of the prefill attention (`FA_BM` in kernels.cu), and its threads.
+const PREFILL_ROWS: usize = 64;
+const PREFILL_THREADS: u32 = 128;
+/// Largest head the prefill attention takes (larger heads run the decode kernel per row).
+const PREFILL_MAX_HEAD_DIM: usize = 128;
+
+/// Dynamic shared memory of the prefill attention for a head padded to `hdp`: two buffers of a K
+/// and a V tile of 64 keys, rows padded by 8 bf16 (`fa_smem` in kernels.cu).
+fn prefill_smem_bytes(hdp: usize) -> usize {
+    2 * 2 * 64 * (hdp + 8) * 2
+}
 
 /// Where one staged host slice landed in the metadata buffer.
 #[derive(Clone, Copy, Default)]
@@ -136,6 +146,10 @@ struct State {
     tiles: (usize, usize),
     side: DevBuf,
     xbf: DevBuf,
+    /// `(f32 tensor, elements, touch count)`: `xbf` holds the bf16 copy of that tensor, written by
+    /// the op that produced it, valid while nothing else has run on the device since (`touches`
+    /// unchanged). A cuBLAS GEMM on exactly that input then skips its conversion.
+    shadow: Option<(u64, usize, u64)>,
 }
 
 /// Optional per-op GPU timing (`QUIVER_CUDA_PROFILE=1`): an event is recorded on the stream
@@ -196,6 +210,12 @@ pub struct CudaDevice {
     /// Replays of recorded steps; `None` when disabled (`QUIVER_CUDA_GRAPHS=0`, or profiling).
     graphs: Option<Mutex<Graphs>>,
     graph_max_rows: usize,
+    /// Launch our kernels with programmatic stream serialization (sm_90+, unless
+    /// `QUIVER_CUDA_PDL=0`): see `launch_raw`.
+    pdl: bool,
+    /// Counts everything queued that may write device memory (launches, copies, GEMMs): see
+    /// `State::shadow`.
+    touches: std::sync::atomic::AtomicU64,
 }
 
 // SAFETY: the raw stream and function handles are used only under the device's discipline
@@ -214,13 +234,28 @@ macro_rules! launch {
         let block: (u32, u32, u32) = $block;
         // SAFETY: the arguments match the kernel's C signature (pointers as u64, int as i32,
         // float as f32, long as i64), and every pointer is a live device buffer of this context.
-        let r = unsafe {
-            result::launch_kernel($f, grid, block, $smem, dev.stream, &mut [$(&mut { $arg } as *mut _ as *mut c_void),*])
-        };
+        let r = unsafe { dev.launch_raw($f, grid, block, $smem, &mut [$(&mut { $arg } as *mut _ as *mut c_void),*]) };
         if let Err(e) = r {
             panic!("CUDA kernel launch failed on {}: {e:?}", dev.name);
         }
     }};
+}
+
+/// Threads for a one-block-per-row kernel walking `items` per row: one item each (as a whole
+/// warp count), at most 1024. A decode row is then one load per thread instead of a serial chain.
+fn row_threads(items: usize) -> (u32, u32, u32) {
+    ((items.div_ceil(32) * 32).clamp(32, 1024) as u32, 1, 1)
+}
+
+/// Threads per block of the decode attention (at most `ATTN_WARPS` × 32 in kernels.cu): 16 warps
+/// split a short batch's context finely (batch-1 latency); from 8 rows on, 8 warps, so more of a
+/// large batch's many small blocks fit on an SM at once (16-warp blocks cost batch 256 ~6%).
+fn attn_threads(rows: usize) -> u32 {
+    if rows < 8 {
+        512
+    } else {
+        256
+    }
 }
 
 fn grid1(n: usize, threads: u32) -> (u32, u32, u32) {
@@ -292,6 +327,10 @@ impl CudaDevice {
         let ctx = CudaContext::new(ordinal).with_context(|| format!("creating a CUDA context on device {ordinal}"))?;
         let (maj, min) = ctx.compute_capability()?;
         let name = format!("cuda:{ordinal} ({}, sm_{maj}{min})", ctx.name().unwrap_or_default());
+        if maj < 8 {
+            // bf16 tensor-core MMAs, cp.async and bf16x2 conversions in kernels.cu are sm_80+.
+            bail!("{name}: Quiver's CUDA kernels need compute capability 8.0 (Ampere) or newer");
+        }
         let arch = format!("sm_{maj}{min}");
         let ptx = kernels_ptx(&arch)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).context("loading Quiver's CUDA kernels")?;
@@ -310,15 +349,17 @@ impl CudaDevice {
             silu_mul: f("silu_mul")?,
             kv_write: f("kv_write")?,
             paged_attention: f("paged_attention")?,
-            prefill_attention: f("prefill_attention")?,
-            gemv_bf16: {
-                let mut g = [std::ptr::null_mut(); GEMV_KERNELS];
-                for (i, slot) in g.iter_mut().enumerate() {
-                    *slot = f(&format!("gemv_bf16_{}", i + 1))?;
-                }
-                g
-            },
+            prefill_attention: [f("prefill_attention_32")?, f("prefill_attention_64")?, f("prefill_attention_96")?, f("prefill_attention_128")?],
+            gemv1_bf16: f("gemv1_bf16")?,
+            gemv_bf16_any_k: f("gemv_bf16_1")?,
         };
+        for (i, &pf) in k.prefill_attention.iter().enumerate() {
+            let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;
+            // SAFETY: a function of the module just loaded; the value is within the H100/H200's
+            // 227 KB per block (and within an sm_80's 163 KB).
+            unsafe { result::function::set_function_attribute(pf, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes) }
+                .context("raising the prefill attention's shared-memory limit")?;
+        }
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking).context("creating a CUDA stream")?;
         let graph_max_rows = std::env::var("QUIVER_CUDA_GRAPH_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).min(GRAPH_MAX_ROWS);
         let blas_workspace = if graph_max_rows > GEMV_MAX_M { Some(DevBuf::zeroed(&ctx, BLAS_WORKSPACE)?) } else { None };
@@ -331,11 +372,13 @@ impl CudaDevice {
             tiles: (0, 0),
             side: DevBuf::zeroed(&ctx, 0)?,
             xbf: DevBuf::zeroed(&ctx, 0)?,
+            shadow: None,
         };
         let profiler = std::env::var_os("QUIVER_CUDA_PROFILE").filter(|v| v != "0").map(|_| Mutex::new(Profiler::default()));
         let split_gemm = std::env::var_os("QUIVER_CUDA_SPLIT_GEMM").is_some_and(|v| v != "0");
         let graphs = (profiler.is_none() && std::env::var_os("QUIVER_CUDA_GRAPHS").is_none_or(|v| v != "0")).then(|| Mutex::new(Graphs::default()));
-        Ok(CudaDevice { ordinal, ctx, stream, blas, _blas_workspace: blas_workspace, k, _module: module, state: Mutex::new(state), name, profiler, split_gemm, graphs, graph_max_rows })
+        let pdl = maj >= 9 && std::env::var_os("QUIVER_CUDA_PDL").is_none_or(|v| v != "0");
+        Ok(CudaDevice { ordinal, ctx, stream, blas, _blas_workspace: blas_workspace, k, _module: module, state: Mutex::new(state), name, profiler, split_gemm, graphs, graph_max_rows, pdl, touches: Default::default() })
     }
 
     pub fn name(&self) -> &str {
@@ -353,6 +396,89 @@ impl CudaDevice {
         self.bind();
         unsafe { result::stream::synchronize(self.stream) }.with_context(|| format!("CUDA stream of {}", self.name))?;
         Ok(())
+    }
+
+    /// Launches `f` on the device's stream. With `pdl` the launch allows programmatic stream
+    /// serialization: the kernel may be scheduled while its predecessor drains (hiding launch
+    /// latency and the predecessor's tail, which matter in a decode step of ~330 small kernels).
+    /// That is safe because every kernel in kernels.cu starts with `pdl_entry()`, which waits for
+    /// the predecessor's completion before touching memory a kernel writes.
+    ///
+    /// # Safety
+    /// `params` must match `f`'s C signature, every pointer a live device buffer of this context.
+    unsafe fn launch_raw(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, params: &mut [*mut c_void]) -> Result<(), result::DriverError> {
+        self.touch();
+        if !self.pdl {
+            return result::launch_kernel(f, grid, block, smem, self.stream, params);
+        }
+        // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: smem,
+            hStream: self.stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()).result()
+    }
+
+    fn touch(&self) {
+        self.touches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Where an op producing a `rows × cols` GEMM input `out` also writes its bf16 copy, or null
+    /// when the consuming matmul will not be a plain cuBLAS bf16 GEMM (single rows take the GEMV;
+    /// the split mode converts itself). Call `set_shadow` after launching the producer.
+    fn shadow_for(&self, st: &mut State, rows: usize, cols: usize) -> u64 {
+        if rows <= GEMV_MAX_M || self.split_gemm {
+            return 0;
+        }
+        self.grow(&mut st.xbf, rows * cols * 2);
+        st.xbf.ptr
+    }
+
+    fn set_shadow(&self, st: &mut State, outb: u64, out: u64, len: usize) {
+        st.shadow = (outb != 0).then(|| (out, len, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
+    }
+
+    /// Median GPU time of one run of `body`, in milliseconds, over `reps` runs each timed by a pair
+    /// of events on the device's stream (benchmarks: a kernel alone against the copy ceiling).
+    pub fn time_ms(&self, reps: usize, body: &mut dyn FnMut()) -> Result<f64> {
+        self.bind();
+        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let (a, b) = (result::event::create(flags)?, result::event::create(flags)?);
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps.max(1) {
+            // SAFETY: events of this context, recorded on our stream and synchronized before reading.
+            unsafe { result::event::record(a, self.stream) }?;
+            body();
+            unsafe { result::event::record(b, self.stream) }?;
+            self.synchronize()?;
+            times.push(unsafe { result::event::elapsed(a, b) }? as f64);
+        }
+        unsafe {
+            let _ = result::event::destroy(a);
+            let _ = result::event::destroy(b);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
+
+    /// Device-to-device copy of `len` floats from `src` into `dst` (benchmarks: copy bandwidth).
+    pub fn copy(&self, src: &Tensor, dst: &mut Tensor, len: usize) {
+        self.bind();
+        assert!(len <= src.capacity() && len <= dst.capacity());
+        // SAFETY: both are live device buffers of at least len floats.
+        self.touch();
+        unsafe { result::memcpy_dtod_async(buf(dst), buf(src), len * 4, self.stream) }.unwrap_or_else(|e| panic!("device copy on {}: {e:?}", self.name));
     }
 
     /// Profiling: marks the end of op `what` on the stream.
@@ -401,6 +527,7 @@ impl CudaDevice {
         if src.is_empty() {
             return;
         }
+        self.touch();
         // SAFETY: dst has room for src (callers size it); pageable copies complete their read of
         // `src` before returning.
         unsafe { result::memcpy_htod_async(dst, src, self.stream) }.unwrap_or_else(|e| panic!("host→device copy on {}: {e:?}", self.name));
@@ -626,7 +753,11 @@ impl Device for CudaDevice {
         match dtype {
             DType::Bf16 if m <= GEMV_MAX_M => {
                 let bp = bias.map(buf).unwrap_or(0);
-                launch!(self, self.k.gemv_bf16[m - 1], (n.div_ceil(8) as u32, 1, 1), (256, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32);
+                if k.is_multiple_of(8) {
+                    launch!(self, self.k.gemv1_bf16, (n.div_ceil(GEMV1_ROWS_PER_BLOCK) as u32, 1, 1), (128, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32);
+                } else {
+                    launch!(self, self.k.gemv_bf16_any_k, (n.div_ceil(8) as u32, 1, 1), (256, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32);
+                }
                 self.mark("matmul gemv");
                 return;
             }
@@ -636,18 +767,24 @@ impl Device for CudaDevice {
                 let (hi, lo) = (st.xbf.ptr, st.xbf.ptr + (m * k * 2) as u64);
                 launch!(self, self.k.f32_to_bf16_split, grid1(m * k, 256), (256, 1, 1); buf(x), hi, lo, (m * k) as i64);
                 self.mark("matmul input to bf16");
+                self.touch();
                 let e1 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, hi, buf(y), false);
                 let e2 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, lo, buf(y), true);
                 e1.and(e2).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
             }
             DType::Bf16 => {
                 let mut st = self.state.lock().unwrap();
-                self.grow(&mut st.xbf, m * k * 2);
-                launch!(self, self.k.f32_to_bf16, grid1(m * k, 256), (256, 1, 1); buf(x), st.xbf.ptr, (m * k) as i64);
-                self.mark("matmul input to bf16");
+                let touches = self.touches.load(std::sync::atomic::Ordering::Relaxed);
+                if st.shadow.take() != Some((buf(x), m * k, touches)) {
+                    self.grow(&mut st.xbf, m * k * 2);
+                    launch!(self, self.k.f32_to_bf16, grid1(m * k, 256), (256, 1, 1); buf(x), st.xbf.ptr, (m * k) as i64);
+                    self.mark("matmul input to bf16");
+                }
+                self.touch();
                 self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, st.xbf.ptr, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
             }
             DType::F32 => {
+                self.touch();
                 self.blas.gemm_xwt(blas::Operand::F32, m, n, k, wb.ptr, buf(x), buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
             }
         }
@@ -676,7 +813,11 @@ impl Device for CudaDevice {
         if rows == 0 {
             return;
         }
-        launch!(self, self.k.rms_norm, (rows as u32, 1, 1), (256, 1, 1); buf(x), buf(w), buf(out), dim as i32, eps);
+        let mut st = self.state.lock().unwrap();
+        let ob = self.shadow_for(&mut st, rows, dim);
+        let per_row = if dim.is_multiple_of(4) { dim / 4 } else { dim };
+        launch!(self, self.k.rms_norm, (rows as u32, 1, 1), row_threads(per_row); buf(x), buf(w), buf(out), ob, dim as i32, eps);
+        self.set_shadow(&mut st, ob, buf(out), rows * dim);
         self.mark("rms_norm");
     }
 
@@ -685,7 +826,11 @@ impl Device for CudaDevice {
         if rows == 0 {
             return;
         }
-        launch!(self, self.k.add_rms_norm, (rows as u32, 1, 1), (256, 1, 1); buf(resid), buf(delta), buf(w), buf(out), dim as i32, eps);
+        let mut st = self.state.lock().unwrap();
+        let ob = self.shadow_for(&mut st, rows, dim);
+        let per_row = if dim.is_multiple_of(4) { dim / 4 } else { dim };
+        launch!(self, self.k.add_rms_norm, (rows as u32, 1, 1), row_threads(per_row); buf(resid), buf(delta), buf(w), buf(out), ob, dim as i32, eps);
+        self.set_shadow(&mut st, ob, buf(out), rows * dim);
         self.mark("add_rms_norm");
     }
 
@@ -707,7 +852,7 @@ impl Device for CudaDevice {
         let width = (n_heads + 2 * n_kv_heads) * t.head_dim;
         let mut st = self.state.lock().unwrap();
         let pp = self.meta_ptr(&mut st, &positions[..rows]);
-        launch!(self, self.k.rope_qk, (rows as u32, 1, 1), (256, 1, 1);
+        launch!(self, self.k.rope_qk, (rows as u32, 1, 1), row_threads((n_heads + n_kv_heads) * t.rotary_dim / 2);
             buf(qkv), pp, buf(&t.cos), buf(&t.sin), (n_heads + n_kv_heads) as i32, t.head_dim as i32, (t.rotary_dim / 2) as i32, width as i32, t.max_pos as i32);
         self.mark("rope");
     }
@@ -717,7 +862,11 @@ impl Device for CudaDevice {
         if rows == 0 {
             return;
         }
-        launch!(self, self.k.silu_mul, grid1(rows * inter, 256), (256, 1, 1); buf(gate_up), buf(out), inter as i32, (rows * inter) as i64);
+        let mut st = self.state.lock().unwrap();
+        let ob = self.shadow_for(&mut st, rows, inter);
+        let items = if inter.is_multiple_of(4) { rows * inter / 4 } else { rows * inter };
+        launch!(self, self.k.silu_mul, grid1(items, 256), (256, 1, 1); buf(gate_up), buf(out), ob, inter as i32, (rows * inter) as i64);
+        self.set_shadow(&mut st, ob, buf(out), rows * inter);
         self.mark("silu_mul");
     }
 
@@ -735,20 +884,23 @@ impl Device for CudaDevice {
         let bt = self.meta_ptr(&mut st, b.block_tables);
         let (kc, vc) = (buf(&kv.k[layer]), buf(&kv.v[layer]));
         let stride = b.block_table_stride as i32;
-        launch!(self, self.k.kv_write, (rows as u32, 1, 1), (128, 1, 1);
+        launch!(self, self.k.kv_write, (rows as u32, 1, 1), row_threads(l.n_kv_heads * l.head_dim);
             buf(qkv), rs, pp, bt, stride, kc, vc, n_heads as i32, l.n_kv_heads as i32, l.head_dim as i32, l.block_size as i32);
         self.mark("kv_write");
         let (tiles_at, n_tiles) = st.tiles;
-        if n_tiles < rows && l.head_dim <= 128 {
-            // Some sequence brings several rows (prefill): share each K/V tile among them.
+        if n_tiles < rows && l.head_dim <= PREFILL_MAX_HEAD_DIM {
+            // Some sequence brings several rows (prefill): tensor-core tiles of PREFILL_ROWS rows.
             let hd = l.head_dim;
-            let smem = 4 * (32 * (hd + 1) + 32 * hd + PREFILL_ROWS * hd + PREFILL_ROWS * 32);
+            let f = self.k.prefill_attention[hd.div_ceil(32) - 1];
+            let smem = prefill_smem_bytes(32 * hd.div_ceil(32)) as u32;
             let tp = st.meta.ptr + 4 * tiles_at as u64;
-            launch!(self, self.k.prefill_attention, (n_tiles as u32, n_heads as u32, 1), ((PREFILL_ROWS * 32) as u32, 1, 1), smem = smem as u32;
-                buf(qkv), kc, vc, tp, pp, bt, stride, buf(out), n_heads as i32, l.n_kv_heads as i32, hd as i32, l.block_size as i32, scale);
+            let ob = self.shadow_for(&mut st, rows, n_heads * hd);
+            launch!(self, f, (n_tiles as u32, n_heads as u32, 1), (PREFILL_THREADS, 1, 1), smem = smem;
+                buf(qkv), kc, vc, tp, pp, bt, stride, buf(out), ob, n_heads as i32, l.n_kv_heads as i32, hd as i32, l.block_size as i32, scale);
+            self.set_shadow(&mut st, ob, buf(out), rows * n_heads * hd);
             self.mark("attention prefill");
         } else {
-            launch!(self, self.k.paged_attention, (rows as u32, n_heads as u32, 1), (256, 1, 1);
+            launch!(self, self.k.paged_attention, (rows as u32, n_heads as u32, 1), (attn_threads(rows), 1, 1);
                 buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), n_heads as i32, l.n_kv_heads as i32, l.head_dim as i32, l.block_size as i32, scale);
             self.mark("attention decode");
         }
