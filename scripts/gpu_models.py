@@ -80,7 +80,10 @@ def randomize(model, seed, hidden, layers, tied):
             v = torch.randn(p.shape, generator=g, device="cuda") / math.sqrt(p.shape[1] * 2 * layers)
         else:
             v = torch.randn(p.shape, generator=g, device="cuda") / math.sqrt(p.shape[1])
-        p.copy_(v.to(p.dtype))
+        # Rounded to bf16 values even in the float32 models: Quiver loads them as bf16, so the
+        # float32 reference and Quiver then run on exactly the same weights and the parity
+        # numbers measure compute (bf16 activations at GEMM inputs, bf16 KV), not weight rounding.
+        p.copy_(v.to(torch.bfloat16).to(p.dtype))
 
 
 def cmd_models(out, tokdir):
