@@ -34,6 +34,13 @@ step kernel-tests .gpu/bin/cuda_kernels --ignored --test-threads 1 --nocapture
 step parity-tests .gpu/bin/cuda_parity --ignored --test-threads 1 --nocapture
 step bench-8b .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
     --prompt-len 2048 --batch-sizes 1,4,16,64,256 --decode-steps 32 --reps 3 --output-json "$DATA/bench-llama8b.json"
+# Decode steps of several rows replay CUDA graphs by default; the same batches with only
+# single-row steps recorded show what the graphs are worth. Set GPU_CHECK_GRAPHS=0 to skip.
+if [ "${GPU_CHECK_GRAPHS:-1}" = 1 ]; then
+    QUIVER_CUDA_GRAPH_MAX_ROWS=1 step bench-8b-eager-multirow .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
+        --prompt-len 128 --batch-sizes 4,16,64,256 --decode-steps 32 --reps 3 --output-json "$DATA/bench-llama8b-eager.json"
+    grep -hE "decode batch" "$LOGS/bench-8b-eager-multirow.log"
+fi
 # Where the time goes, per op (GPU time between op ends, so launch gaps show), prefill-heavy.
 # Set GPU_CHECK_PROFILE=0 to skip.
 if [ "${GPU_CHECK_PROFILE:-1}" = 1 ]; then
@@ -54,7 +61,7 @@ serve_smoke() {
 }
 step serve-smoke serve_smoke
 tail -n 1 "$LOGS/serve-smoke.log"; echo
-cp "$DATA"/bench-llama8b.json "$DATA"/ceilings.json "$OUT"/ 2>/dev/null
+cp "$DATA"/bench-llama8b.json "$DATA"/bench-llama8b-eager.json "$DATA"/ceilings.json "$OUT"/ 2>/dev/null
 grep -hE "rel err|max \|Δlogprob\||identical|diverge" "$LOGS/kernel-tests.log" "$LOGS/parity-tests.log" > "$OUT/accuracy.txt" 2>/dev/null
 grep -E "test result|panicked" "$LOGS/kernel-tests.log" "$LOGS/parity-tests.log"
 for f in parity-tests; do echo "--- $f"; grep -hE "max \|Δlogprob\| per prompt|requests identical" "$LOGS/$f.log"; done
