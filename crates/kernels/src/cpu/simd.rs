@@ -21,6 +21,19 @@ pub fn exp_approx(x: f32) -> f32 {
     p * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
+/// Hint that the cache line at `p` is read soon; never faults, whatever the address (so it is
+/// safe to aim past the end of a buffer). A no-op off x86-64.
+#[inline(always)]
+fn prefetch(p: *const f32) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetch is SSE (baseline on x86-64) and never faults.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Pairwise (tree) sum of the lanes: shorter dependency chain than a sequential sum, and its
 /// order is fixed by the source like everything else here. The accumulator passes through
 /// `black_box` first: without that barrier LLVM let the tree's shape pick the vector width of
@@ -62,15 +75,17 @@ fn tail_dot(a: &[f32], b: &[f32]) -> f32 {
 /// accumulation chains); every result is bit-identical to `dot_body(x[i], w)`.
 #[inline(always)]
 fn dot4_body(x: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
-    let [[d0, _], [d1, _], [d2, _], [d3, _]] = dot4x2_body(x, [w, w]);
+    let [[d0, _], [d1, _], [d2, _], [d3, _]] = dot4x2_body(x, [w, w], [w.as_ptr(); 2]);
     [d0, d1, d2, d3]
 }
 
 /// The eight dot products of four `x` rows with two `w` rows: each chunk of `x` and `w` loaded
 /// once for four or two products, eight independent accumulation chains. Every result is
-/// bit-identical to `dot_body(x[i], w[j])`.
+/// bit-identical to `dot_body(x[i], w[j])`. `next` are the rows the caller reads after these:
+/// they are prefetched a line per chunk, so the adapter weights (cold: a whole forward pass ran
+/// since they were last read) stream in while this pair computes.
 #[inline(always)]
-fn dot4x2_body(x: [&[f32]; 4], w: [&[f32]; 2]) -> [[f32; 2]; 4] {
+fn dot4x2_body(x: [&[f32]; 4], w: [&[f32]; 2], next: [*const f32; 2]) -> [[f32; 2]; 4] {
     let n = w[0].len();
     let [x0, x1, x2, x3] = x.map(|r| &r[..n]);
     let [w0, w1] = w.map(|r| &r[..n]);
@@ -82,7 +97,9 @@ fn dot4x2_body(x: [&[f32]; 4], w: [&[f32]; 2]) -> [[f32; 2]; 4] {
         s.chunks_exact(LANES)
     }
     let it = c(w0).zip(c(w1)).zip(c(x0)).zip(c(x1)).zip(c(x2)).zip(c(x3));
-    for (((((p, q), v0), v1), v2), v3) in it {
+    for (ci, (((((p, q), v0), v1), v2), v3)) in it.enumerate() {
+        prefetch(next[0].wrapping_add(ci * LANES));
+        prefetch(next[1].wrapping_add(ci * LANES));
         let (p, q): (&[f32; LANES], &[f32; LANES]) = (p.try_into().unwrap(), q.try_into().unwrap());
         let (v0, v1): (&[f32; LANES], &[f32; LANES]) = (v0.try_into().unwrap(), v1.try_into().unwrap());
         let (v2, v3): (&[f32; LANES], &[f32; LANES]) = (v2.try_into().unwrap(), v3.try_into().unwrap());
@@ -114,7 +131,8 @@ fn gemm_nt_body(y: &mut [f32], ldy: usize, x: &[f32], ldx: usize, w: &[f32], ldw
         let xs: [&[f32]; 4] = std::array::from_fn(|i| &x[(r + i) * ldx..(r + i) * ldx + k]);
         let mut c = 0;
         while c + 2 <= n {
-            let d = dot4x2_body(xs, [&w[c * ldw..c * ldw + k], &w[(c + 1) * ldw..(c + 1) * ldw + k]]);
+            let next = [w.as_ptr().wrapping_add((c + 2) * ldw), w.as_ptr().wrapping_add((c + 3) * ldw)];
+            let d = dot4x2_body(xs, [&w[c * ldw..c * ldw + k], &w[(c + 1) * ldw..(c + 1) * ldw + k]], next);
             for (i, d) in d.into_iter().enumerate() {
                 put(&mut y[(r + i) * ldy + c], d[0]);
                 put(&mut y[(r + i) * ldy + c + 1], d[1]);
@@ -159,6 +177,15 @@ unsafe fn lora_expand_body(y: *mut f32, ldy: usize, idx: Option<&[u32]>, rows: u
             // SAFETY: caller's contract.
             let yr = unsafe { std::slice::from_raw_parts_mut(y.add(row * ldy + c0), w) };
             let ci = &coef[i * ldc..i * ldc + r];
+            if i == 0 {
+                // The next column block of Bᵀ, while this one is used by every row.
+                for k in 0..r {
+                    let nb = bt.as_ptr().wrapping_add(k * ldb + c0 + EXPAND_COLS);
+                    for l in (0..EXPAND_COLS).step_by(LANES) {
+                        prefetch(nb.wrapping_add(l));
+                    }
+                }
+            }
             if w == EXPAND_COLS {
                 let mut acc: [f32; EXPAND_COLS] = (&*yr).try_into().unwrap();
                 for (k, &c) in ci.iter().enumerate() {
