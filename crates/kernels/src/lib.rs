@@ -290,6 +290,7 @@ pub trait Device: Send + Sync {
     /// `out = rmsnorm(x) * w` row-wise over `rows × dim`.
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor);
     /// `resid += delta` then `out = rmsnorm(resid) * w`.
+    #[allow(clippy::too_many_arguments)]
     fn add_rms_norm(&self, resid: &mut Tensor, delta: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor);
     /// `resid += delta` over `len` floats.
     fn add_inplace(&self, resid: &mut Tensor, delta: &Tensor, len: usize);

@@ -164,6 +164,9 @@ fn apply_parallel(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>
     (0..tasks).into_par_iter().for_each(|t| {
         let Some(Task { part, w, r, lo, hi }) = task(t) else { return };
         let bt = site.b_slot(w);
+        // The whole SyncPtr, not its raw field, must be captured (edition 2021 closures capture
+        // fields), or the closure is not Send.
+        #[allow(clippy::redundant_locals)]
         let yp = yp;
         for j in 0..site.n_slices {
             let (o0, o1) = (site.offsets[j], site.offsets[j + 1]);
