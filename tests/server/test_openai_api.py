@@ -535,6 +535,31 @@ def bench_serve_counts_match_server(S):
 
 
 @test
+def bench_lora_reports_kernels_and_step(S):
+    """`quiver bench lora` end to end on the real model, small: the kernel part reports a point
+    per (shape, layout, rank, adapters, rows, backend) with finite positive rates next to the
+    machine's measured peaks, and the step part a base and a LoRA time per backend. Bad sizes
+    are refused with a message."""
+    model = S.cmd[S.cmd.index("--model") + 1:][:1] if "--model" in S.cmd else []
+    out = os.path.join(tempfile.mkdtemp(prefix="quiver-bench-lora-"), "lora.json")
+    cmd = [S.cmd[0], "bench", "lora"] + (["--model"] + model if model else []) + [
+        "--shapes", "smollm2", "--ranks", "4", "--kernel-rows", "4,16", "--kernel-adapters", "1,2", "--kernel-reps", "1",
+        "--rows", "4", "--adapters", "2", "--steps", "3", "--backends", "chunked,auto", "--output-json", out]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    check(r.returncode == 0, r.stderr[-2000:])
+    rep = json.load(open(out))
+    k = rep["kernels"]
+    # rows 4: decode for 1 and 2 adapters; rows 16: decode and prefill for both; per backend.
+    check(len(k) == 2 * (2 + 4), [(x["rows"], x["adapters"], x["layout"], x["backend"]) for x in k])
+    for x in k:
+        check(x["us_per_layer"] > 0 and 0 < x["gflops"] < 10 * x["peak_gflops"] and x["gbps"] > 0 and x["bandwidth_gbps"] > 0, x)
+    st = rep["results"]
+    check(sorted(x["backend"] for x in st) == ["auto", "chunked"] and all(x["base_ms"] > 0 and x["lora_ms"] > 0 for x in st), st)
+    bad = subprocess.run([S.cmd[0], "bench", "lora", "--kernel-rows", "0"], capture_output=True, text=True, timeout=60)
+    check(bad.returncode != 0 and "at least 1" in bad.stderr, bad.stderr[-500:])
+
+
+@test
 def client_disconnect_cancels(S):
     # Start a long stream, read one chunk, drop the connection; the server must stay healthy and
     # the request must leave the running set.

@@ -33,6 +33,9 @@ pub struct BenchEngineArgs {
 }
 
 pub fn run(a: BenchEngineArgs) -> Result<()> {
+    if a.adapters == 0 || a.streams == 0 {
+        anyhow::bail!("--adapters and --streams must be at least 1 (the base scenario always runs; --adapters is the distinct-adapter count of the last scenario)");
+    }
     let path = model_path::resolve(a.model.clone())?;
     let lm = load_model(&path, open_device(DeviceKind::Cpu)?, a.dtype)?;
     let cfg = EngineConfig { lora_backend: a.lora_backend.clone(), ..Default::default() };

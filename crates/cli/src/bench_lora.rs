@@ -94,6 +94,10 @@ pub fn run(a: BenchLoraArgs) -> Result<()> {
     if !["all", "kernels", "step"].contains(&a.part.as_str()) {
         anyhow::bail!("--part must be kernels, step or all (got `{}`)", a.part);
     }
+    let zero = |v: &[usize]| v.is_empty() || v.contains(&0);
+    if a.adapters == 0 || a.steps == 0 || a.kernel_reps == 0 || zero(&a.ranks) || zero(&a.rows) || zero(&a.kernel_rows) || zero(&a.kernel_adapters) {
+        anyhow::bail!("--adapters, --steps, --kernel-reps and every value of --ranks, --rows, --kernel-rows and --kernel-adapters must be at least 1");
+    }
     let mut kernels = Vec::new();
     if a.part != "step" {
         let ka = crate::bench_lora_kernels::KernelArgs { shapes: &a.shapes, rows: &a.kernel_rows, adapters: &a.kernel_adapters, ranks: &a.ranks, backends: &a.backends, reps: a.kernel_reps };
