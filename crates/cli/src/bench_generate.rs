@@ -35,7 +35,8 @@ pub struct BenchGenerateArgs {
     pub output_json: Option<PathBuf>,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// Median of the samples (the upper one of an even count); the bench commands' one statistic.
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }

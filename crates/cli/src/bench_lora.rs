@@ -5,6 +5,7 @@
 //!   rank, times the same decode step with N rows spread over D distinct adapters on all seven
 //!   projections, against the base model alone, in one run (ratios, medians).
 
+use crate::bench_generate::median;
 use crate::model_path;
 use anyhow::Result;
 use clap::Args;
@@ -83,11 +84,6 @@ fn step_ms(m: &LlamaModel, st: &mut Step, hook: &dyn LoraHook) -> f64 {
     let t0 = Instant::now();
     m.forward(&st.batch, &mut st.kv, &mut st.ws, hook);
     t0.elapsed().as_secs_f64() * 1e3
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 pub fn run(a: BenchLoraArgs) -> Result<()> {

@@ -4,6 +4,7 @@
 //! GFLOP/s and GB/s next to this machine's GEMM peak and memory bandwidth, measured in the same
 //! run, so the numbers read as fractions of what the CPU can do.
 
+use crate::bench_generate::median;
 use anyhow::Result;
 use quiver_engine::testing::{temp_dir, write_random_adapter};
 use quiver_kernels::{open_device, DType, Device, DeviceKind, Weight};
@@ -27,18 +28,18 @@ pub fn shape(name: &str) -> Result<Shape> {
     })
 }
 
-/// Median seconds of `f` over `reps` runs after one warm-up, with at least ~`min_s` of work.
+/// Median seconds of `f` over `reps` runs after one warm-up.
 fn median_s(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
-    let mut t: Vec<f64> = (0..reps.max(1))
-        .map(|_| {
-            let t0 = Instant::now();
-            f();
-            t0.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(|a, b| a.total_cmp(b));
-    t[t.len() / 2]
+    median(
+        (0..reps.max(1))
+            .map(|_| {
+                let t0 = Instant::now();
+                f();
+                t0.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
 }
 
 /// Read bandwidth (GB/s, all threads over a buffer far larger than the caches) and f32 GEMM
@@ -109,7 +110,7 @@ pub fn run(a: &KernelArgs<'_>) -> Result<Vec<serde_json::Value>> {
                             };
                             let logits: Vec<u32> = starts[1..].iter().map(|&e| e - 1).collect();
                             let hook = mgr.prepare_batch(&seq, &starts, &logits)?;
-                            let sites: Vec<(LinearSite, quiver_kernels::Tensor, quiver_kernels::Tensor)> = LinearSite::ALL
+                            let mut sites: Vec<(LinearSite, quiver_kernels::Tensor, quiver_kernels::Tensor)> = LinearSite::ALL
                                 .iter()
                                 .map(|&s| {
                                     let (din, w, n) = dims.site_dims(s);
@@ -118,7 +119,6 @@ pub fn run(a: &KernelArgs<'_>) -> Result<Vec<serde_json::Value>> {
                                     (s, dev.tensor_from(&x), dev.alloc(rows * dout))
                                 })
                                 .collect();
-                            let mut sites = sites;
                             let t = median_s(a.reps, || {
                                 for (s, x, y) in sites.iter_mut() {
                                     hook.linear(dev.as_ref(), 0, *s, x, rows, y);
