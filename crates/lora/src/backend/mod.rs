@@ -62,19 +62,65 @@ pub trait LoraBackend: Send + Sync {
 /// on its batch).
 use quiver_kernels::cpu::simd::gemm_nt;
 
-/// Shrink of rows `[lo, hi)` (contiguous) into `shrink` rows `0..hi-lo` (stride `n·R`).
-pub(crate) fn shrink_rows(site: &SiteView<'_>, w: usize, r: usize, input: LoraInput<'_>, lo: usize, hi: usize, shrink: &mut [f32]) {
-    let ld = site.n_slices * site.max_rank;
-    let cr = site.n_slices * r;
+/// The input rows a shrink reads.
+#[derive(Clone, Copy)]
+pub(crate) enum Rows<'a> {
+    /// Rows `[lo, hi)`, contiguous (a segment).
+    Range(usize, usize),
+    /// The rows listed (a chunk of the permutation); dense ones are gathered first.
+    Listed(&'a [u32]),
+}
+
+impl Rows<'_> {
+    fn len(&self) -> usize {
+        match *self {
+            Rows::Range(lo, hi) => hi - lo,
+            Rows::Listed(p) => p.len(),
+        }
+    }
+    fn row(&self, i: usize) -> usize {
+        match *self {
+            Rows::Range(lo, _) => lo + i,
+            Rows::Listed(p) => p[i] as usize,
+        }
+    }
+}
+
+/// Part `part` of `parts` of `[0, len)`, cut at multiples of `align` (the last part takes the
+/// rest): how the threads split a chunk's columns without splitting a vector block.
+pub(crate) fn part_range(len: usize, (part, parts): (usize, usize), align: usize) -> (usize, usize) {
+    let cut = |p: usize| if p == parts { len } else { (len * p / parts) / align * align };
+    (cut(part), cut(part + 1))
+}
+
+/// Shrink columns `cols` (of the `n·r` of slot `w`, all of them for `(0, n·r)`) of `rows` into
+/// `shrink` rows `0..` (stride `n·R`). Listed dense rows go through `gathered` first (one input
+/// row each); a contiguous range needs no gather.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn shrink_rows(site: &SiteView<'_>, w: usize, input: LoraInput<'_>, rows: Rows<'_>, (c0, c1): (usize, usize), gathered: &mut [f32], shrink: &mut [f32]) {
+    let (din, ld) = (site.in_dim, site.n_slices * site.max_rank);
     let a = site.a_slot(w);
+    let n = rows.len();
     match input {
-        LoraInput::Dense(x) => gemm_nt(shrink, ld, &x[lo * site.in_dim..], site.in_dim, a, site.in_dim, hi - lo, cr, site.in_dim, 1.0, false),
+        LoraInput::Dense(x) => {
+            let xs = match rows {
+                Rows::Range(lo, _) => &x[lo * din..],
+                Rows::Listed(p) => {
+                    for (i, &r) in p.iter().enumerate() {
+                        let r = r as usize;
+                        gathered[i * din..(i + 1) * din].copy_from_slice(&x[r * din..(r + 1) * din]);
+                    }
+                    &gathered[..]
+                }
+            };
+            gemm_nt(&mut shrink[c0..], ld, xs, din, &a[c0 * din..], din, n, c1 - c0, din, 1.0, false)
+        }
         LoraInput::TokenIds(ids) => {
-            for (i, &id) in ids[lo..hi].iter().enumerate() {
-                let id = id as usize;
-                for k in 0..cr {
+            for i in 0..n {
+                let id = ids[rows.row(i)] as usize;
+                for k in c0..c1 {
                     // Ids beyond the vocab (never produced by the tokenizer) get no delta.
-                    shrink[i * ld + k] = if id < site.in_dim { a[k * site.in_dim + id] } else { 0.0 };
+                    shrink[i * ld + k] = if id < din { a[k * din + id] } else { 0.0 };
                 }
             }
         }
@@ -82,19 +128,21 @@ pub(crate) fn shrink_rows(site: &SiteView<'_>, w: usize, r: usize, input: LoraIn
 }
 
 /// Expand of `rows` shrink rows (stride `n·R`) added into `y` rows (stride `ldy`, row `i` at
-/// `idx[i]`, or `i` without `idx`), every slice with its own scaling.
+/// `idx[i]`, or `i` without `idx`), every slice with its own scaling. `part` of `parts` (see
+/// [`part_range`]) restricts it to that share of every slice's output columns; `(0, 1)` is all.
 ///
 /// # Safety
-/// The addressed `y` rows (`out_dim` wide) are valid for writes and nobody else touches them
+/// The addressed `y` rows (the part's columns) are valid for writes and nobody else touches them
 /// during the call.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn expand_rows(site: &SiteView<'_>, w: usize, r: usize, shrink: &[f32], rows: usize, y: *mut f32, ldy: usize, idx: Option<&[u32]>) {
-    let ld = site.n_slices * site.max_rank;
+pub(crate) unsafe fn expand_rows(site: &SiteView<'_>, w: usize, shrink: &[f32], rows: usize, y: *mut f32, ldy: usize, idx: Option<&[u32]>, part: (usize, usize)) {
+    let (ld, r) = (site.n_slices * site.max_rank, site.ranks[w] as usize);
     let bt = site.b_slot(w);
     for j in 0..site.n_slices {
-        let (o0, o1) = (site.offsets[j], site.offsets[j + 1]);
-        // SAFETY: y + o0 rows stay inside the caller's rows (o1 ≤ out_dim).
-        unsafe { quiver_kernels::cpu::simd::lora_expand(y.add(o0), ldy, idx, rows, &shrink[j * r..], ld, &bt[o0..], site.out_dim, r, o1 - o0, site.scaling(w, j)) };
+        let o0 = site.offsets[j];
+        let (p0, p1) = part_range(site.offsets[j + 1] - o0, part, 64);
+        // SAFETY: columns o0+p0..o0+p1 ≤ out_dim of the caller's rows.
+        unsafe { quiver_kernels::cpu::simd::lora_expand(y.add(o0 + p0), ldy, idx, rows, &shrink[j * r..], ld, &bt[o0 + p0..], site.out_dim, r, p1 - p0, site.scaling(w, j)) };
     }
 }
 

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::{ensure, expand_rows, shrink_rows, LoraBackend, LoraInput, Scratch};
+use super::{ensure, expand_rows, shrink_rows, LoraBackend, LoraInput, Rows, Scratch};
 use crate::batch::RowGrouping;
 use crate::mem_pool::SiteView;
 
@@ -33,10 +33,10 @@ fn run_block(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, lo:
         }
         let (p0, p1) = (s0.max(lo), s1.min(hi));
         let sh = &mut shrink[(p0 - lo) * ld..];
-        shrink_rows(site, w, r, input, p0, p1, sh);
+        shrink_rows(site, w, input, Rows::Range(p0, p1), (0, site.n_slices * r), &mut [], sh);
         let yb = &mut y[(p0 - lo) * site.out_dim..(p1 - lo) * site.out_dim];
         // SAFETY: rows p0..p1 of this block, borrowed mutably above.
-        unsafe { expand_rows(site, w, r, sh, p1 - p0, yb.as_mut_ptr(), site.out_dim, None) };
+        unsafe { expand_rows(site, w, sh, p1 - p0, yb.as_mut_ptr(), site.out_dim, None, (0, 1)) };
     }
 }
 
@@ -75,10 +75,10 @@ impl LoraBackend for SegmentedBackend {
                 if r == 0 {
                     continue;
                 }
-                shrink_rows(site, w, r, input, s0, s1, &mut scratch.shrink);
+                shrink_rows(site, w, input, Rows::Range(s0, s1), (0, site.n_slices * r), &mut [], &mut scratch.shrink);
                 let ys = &mut y[s0 * out..s1 * out];
                 // SAFETY: the segment's rows, borrowed mutably above.
-                unsafe { expand_rows(site, w, r, &scratch.shrink, s1 - s0, ys.as_mut_ptr(), out, None) };
+                unsafe { expand_rows(site, w, &scratch.shrink, s1 - s0, ys.as_mut_ptr(), out, None, (0, 1)) };
             }
         }
     }
