@@ -4,15 +4,23 @@ export QUIVER_CACHE := $(CACHE)
 CARGO ?= cargo
 QUIVER := target/release/quiver
 
-.PHONY: demo test test-data test-server check-cuda build model venv clean-refs
+.PHONY: test-amx demo test test-data test-server check-cuda build model venv clean-refs
 
 demo: model build
 	python3 scripts/demo.py
 
 test: test-data
 	$(CARGO) test --release --workspace
+	$(MAKE) test-amx
 	$(MAKE) test-server
 	$(MAKE) check-cuda
+
+# The opt-in AMX GEMM mode against the same references (HF, PEFT, batched = alone), on CPUs that
+# have AMX-BF16; elsewhere there is nothing different to run.
+test-amx: test-data
+	@if grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null; then \
+		QUIVER_CPU_AMX=1 $(CARGO) test --release -p quiver-engine --test parity_hf --test parity_peft --test batched_forward; \
+	else echo "test-amx: no AMX-BF16 on this CPU, skipped"; fi
 
 # The CUDA device builds everywhere (CUDA is loaded at run time); its tests need a GPU and run
 # through scripts/gpu-check.sh on one, so CI compiles them only.

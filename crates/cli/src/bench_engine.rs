@@ -40,7 +40,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
     let lm = load_model(&path, open_device(DeviceKind::Cpu)?, a.dtype)?;
     let cfg = EngineConfig { lora_backend: a.lora_backend.clone(), ..Default::default() };
     let o = BenchOptions { streams: a.streams, max_tokens: a.max_tokens, prompt_tokens: a.prompt_tokens, rank: a.rank, num_adapters: a.adapters };
-    println!("model {} | dtype {:?} | {} threads | backend {}", path.display(), a.dtype, rayon::current_num_threads(), a.lora_backend);
+    println!("model {} | dtype {:?} | {} threads | backend {} | cpu gemm {}", path.display(), a.dtype, rayon::current_num_threads(), a.lora_backend, quiver_kernels::cpu::gemm_kind());
     let res = bench_engine(lm, cfg, &o)?;
     let base = res.iter().find(|r| r.scenario == "base").map(|r| r.tokens_per_second).unwrap_or(f64::NAN);
     for r in &res {

@@ -86,7 +86,7 @@ pub fn run(a: BenchGenerateArgs) -> Result<()> {
     let lm = load_model(&path, open_device(a.device)?, a.dtype)?;
     let m = &lm.model;
     let threads = rayon::current_num_threads();
-    println!("model {} | dtype {:?} | device {} | {} threads", path.display(), a.dtype, a.device, threads);
+    println!("model {} | dtype {:?} | device {} | {} threads | cpu gemm {}", path.display(), a.dtype, a.device, threads, quiver_kernels::cpu::gemm_kind());
     // Warm-up: fault in weights and grow scratch buffers.
     decode_tok_s(m, 1, 4);
     let pp = median((0..a.reps).map(|_| prefill_tok_s(m, a.prompt_len)).collect());

@@ -126,6 +126,8 @@ pub enum WeightData {
     /// Host memory, cache-line aligned (see [`aligned`]).
     F32(aligned::AlignedVec<f32>),
     Bf16(aligned::AlignedVec<half::bf16>),
+    /// Host memory as AMX tiles (f32 as bf16 hi + lo planes, or bf16): see [`cpu::amx`].
+    Tiled(cpu::amx::TiledWeight),
     /// In device memory, in the given dtype.
     #[cfg(feature = "cuda")]
     Cuda(cuda::DevBuf, DType),
@@ -151,6 +153,7 @@ impl Weight {
         match self.data {
             WeightData::F32(_) => DType::F32,
             WeightData::Bf16(_) => DType::Bf16,
+            WeightData::Tiled(ref t) => if t.is_f32() { DType::F32 } else { DType::Bf16 },
             #[cfg(feature = "cuda")]
             WeightData::Cuda(_, d) => d,
         }
@@ -159,6 +162,7 @@ impl Weight {
         match &self.data {
             WeightData::F32(v) => v.len() * 4,
             WeightData::Bf16(v) => v.len() * 2,
+            WeightData::Tiled(t) => t.size_bytes(),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(b, _) => b.bytes(),
         }
@@ -173,6 +177,7 @@ impl Weight {
                     *o = x.to_f32();
                 }
             }
+            WeightData::Tiled(t) => t.row_f32(r, out),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(..) => panic!("row_f32 of a weight in device memory"),
         }

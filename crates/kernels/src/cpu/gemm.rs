@@ -702,6 +702,7 @@ mod tests {
         for &(k, n) in &[(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)] {
             let w = random(&mut rng, n * k);
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            let tiled = super::super::amx::supported().then(|| (super::super::amx::TiledWeight::from_f32(n, k, &w), super::super::amx::TiledWeight::from_bf16(n, k, &wb)));
             for &m in &[1, 4, 16, 64, 512] {
                 if (n == 49152 && m > 64) || only.is_some_and(|o| o != m) {
                     continue;
@@ -721,6 +722,10 @@ mod tests {
                 let tb = time(&mut || matmul_bf16(&x, m, k, &wb, n, &mut y));
                 let gf = |t: f64| 2.0 * (m * n * k) as f64 / t / 1e9;
                 eprintln!("k={k:5} n={n:6} m={m:4}: f32 {:8.1} us {:6.1} GFLOP/s {:5.1} GB/s | bf16 {:8.1} us {:6.1} GFLOP/s", tf * 1e6, gf(tf), (n * k * 4) as f64 / tf / 1e9, tb * 1e6, gf(tb));
+                if let Some((af, ab)) = &tiled {
+                    let (ta, tab) = (time(&mut || super::super::amx::matmul(&x, m, af, &mut y)), time(&mut || super::super::amx::matmul(&x, m, ab, &mut y)));
+                    eprintln!("{:22}amx f32 {:6.1} GFLOP/s ({:.2}x fma) | amx bf16 {:6.1} GFLOP/s ({:.2}x fma)", "", gf(ta), tf / ta, gf(tab), tb / tab);
+                }
             }
         }
     }

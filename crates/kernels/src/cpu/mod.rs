@@ -2,6 +2,7 @@
 //! threads through rayon. Scratch space comes from thread-local buffers that only grow, so a
 //! steady-state decode step allocates nothing.
 
+pub mod amx;
 mod attention;
 mod gemm;
 pub mod simd;
@@ -10,6 +11,11 @@ use crate::{AttnBatch, Device, DeviceKind, KvStorage, RopeTable, Tensor, Weight,
 use rayon::prelude::*;
 
 pub use gemm::matmul_f32;
+
+/// Which GEMM the CPU device uses for weights, for benchmark reports.
+pub fn gemm_kind() -> &'static str {
+    if amx::enabled() { "amx bf16x3 tiles" } else { "f32 fma" }
+}
 
 /// The CPU device. Stateless: every op works on the buffers it is given.
 #[derive(Default)]
@@ -78,6 +84,19 @@ impl Device for CpuDevice {
         Tensor::zeros_cpu(len)
     }
 
+    /// With AMX, weights become tiles once here (see `amx`); otherwise they stay as loaded.
+    fn load_weight(&self, w: Weight) -> Weight {
+        if !amx::enabled() {
+            return w;
+        }
+        let data = match &w.data {
+            WeightData::F32(v) => WeightData::Tiled(amx::TiledWeight::from_f32(w.rows, w.cols, v)),
+            WeightData::Bf16(v) => WeightData::Tiled(amx::TiledWeight::from_bf16(w.rows, w.cols, v)),
+            _ => return w,
+        };
+        Weight { data, ..w }
+    }
+
     fn to_host(&self, t: &Tensor, len: usize, out: &mut [f32]) {
         out[..len].copy_from_slice(&t.as_cpu()[..len]);
     }
@@ -93,6 +112,7 @@ impl Device for CpuDevice {
         match &w.data {
             WeightData::F32(wd) => gemm::matmul_f32(x, m, k, wd, n, y, false),
             WeightData::Bf16(wd) => gemm::matmul_bf16(x, m, k, wd, n, y),
+            WeightData::Tiled(t) => amx::matmul(x, m, t, y),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(..) => panic!("CPU matmul given a weight in CUDA memory"),
         }
