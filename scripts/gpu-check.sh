@@ -41,6 +41,22 @@ if [ "${GPU_CHECK_GRAPHS:-1}" = 1 ]; then
         --prompt-len 128 --batch-sizes 4,16,64,256 --decode-steps 32 --reps 3 --output-json "$DATA/bench-llama8b-eager.json"
     grep -hE "decode batch" "$LOGS/bench-8b-eager-multirow.log"
 fi
+# What the copy stream costs on the critical path: the same small decode batches with the
+# transfers on the compute stream instead (QUIVER_CUDA_COPY_STREAM=0), alternated twice.
+# Set GPU_CHECK_COPY_AB=0 to skip.
+if [ "${GPU_CHECK_COPY_AB:-1}" = 1 ]; then
+    copy_ab() {
+        for round in 1 2; do
+            for mode in 1 0; do
+                echo "copy stream $mode (round $round)"
+                QUIVER_CUDA_COPY_STREAM=$mode .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
+                    --prompt-len 128 --batch-sizes 1,4 --decode-steps 64 --reps 3 | grep -E "decode batch" || return 1
+            done
+        done
+    }
+    step bench-8b-copy-ab copy_ab
+    cat "$LOGS/bench-8b-copy-ab.log"
+fi
 # Where the time goes, per op (GPU time between op ends, so launch gaps show), prefill-heavy.
 # Set GPU_CHECK_PROFILE=0 to skip.
 if [ "${GPU_CHECK_PROFILE:-1}" = 1 ]; then

@@ -7,11 +7,13 @@
 //! cuBLAS (`cublasGemmEx`, bf16 or f32 operands, f32 accumulation and output).
 //!
 //! Invariants:
-//! - All work is queued on one stream owned by the device; host↔device copies of activations
-//!   happen only in `to_host` (logits) and `upload`. Per-step metadata (token ids, positions,
-//!   block tables, logits rows) reaches the GPU in one copy from [`Device::stage_batch`]; ops look
-//!   their slices up in that staged copy by address and length, and upload on the side only for a
-//!   slice that was not staged (correct, just slower).
+//! - Compute is queued on one stream owned by the device; a second stream carries the per-step
+//!   transfers through page-locked buffers ([`CopyStream`]), ordered with compute by events only.
+//!   Per-step metadata (token ids, positions, block tables, logits rows) goes up in one copy from
+//!   [`Device::stage_batch`]; results (logits) come down in `to_host`. Ops look their metadata up
+//!   in the staged copy by address and length, and upload on the side (compute stream) only for
+//!   a slice that was not staged (correct, just slower); `upload` and weights also use the
+//!   compute stream.
 //! - Activations are f32 on the device; weights are bf16 (or f32 with `--dtype f32`); the KV cache
 //!   is bf16. A bf16 GEMM converts its f32 input to bf16 into a scratch buffer first.
 //! - Buffers never shrink; growing one frees the old buffer, which synchronizes the device, so no
@@ -64,6 +66,84 @@ impl Drop for DevBuf {
             // SAFETY: allocated by malloc_sync in this context and freed once.
             let _ = unsafe { result::free_sync(self.ptr) };
         }
+    }
+}
+
+/// Page-locked host memory (cuMemHostAlloc), the host end of the copy stream's transfers: a
+/// copy from or to it runs on the DMA engine without the host staging it, so queuing one never
+/// blocks the host.
+struct PinnedBuf {
+    ptr: *mut u8,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl PinnedBuf {
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<PinnedBuf> {
+        ctx.bind_to_thread()?;
+        if bytes == 0 {
+            return Ok(PinnedBuf { ptr: std::ptr::null_mut(), bytes: 0, ctx: ctx.clone() });
+        }
+        // SAFETY: a plain allocation in the bound context.
+        let ptr = unsafe { result::malloc_host(bytes, 0) }.with_context(|| format!("cuMemHostAlloc of {bytes} bytes"))? as *mut u8;
+        Ok(PinnedBuf { ptr, bytes, ctx: ctx.clone() })
+    }
+    /// The first `len` elements of type `T` (`len · size_of::<T>() ≤ bytes`).
+    fn slice_mut<T: Copy>(&mut self, len: usize) -> &mut [T] {
+        assert!(len * std::mem::size_of::<T>() <= self.bytes, "pinned buffer too small");
+        if len == 0 {
+            return &mut [];
+        }
+        // SAFETY: in bounds (asserted), page-aligned memory we own; any bit pattern is a valid u32/f32.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, len) }
+    }
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        if self.bytes > 0 && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_host in this context; no copy uses it any more (the
+            // owner waits for its copies before replacing or dropping it).
+            let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+        }
+    }
+}
+
+/// Largest download staged through the pinned buffer (bytes).
+const PINNED_DOWNLOAD_MAX: usize = 64 << 10;
+
+/// The second stream: per-step metadata up and logits down, through pinned buffers. Ordering
+/// with the compute stream is by events only: an upload waits for the compute work queued
+/// before it (which may still read the previous step's metadata) and the compute stream waits
+/// for the upload; a download waits for the compute work that produced the data.
+struct CopyStream {
+    /// Its own stream, or the compute stream itself with `QUIVER_CUDA_COPY_STREAM=0` (same
+    /// pinned buffers and events, no cross-stream hop: for measuring what the hop costs).
+    stream: sys::CUstream,
+    separate: bool,
+    /// Recorded on the compute stream just before a transfer that must follow its work.
+    compute_mark: sys::CUevent,
+    /// Recorded on the copy stream after the last upload / download.
+    uploaded: sys::CUevent,
+    downloaded: sys::CUevent,
+    /// Nothing has been queued on the compute stream since a download drained it (the end of
+    /// every step): the next upload need not wait for it, which keeps a cross-stream hop off
+    /// the critical path of a step.
+    drained: std::sync::atomic::AtomicBool,
+}
+
+impl CopyStream {
+    fn new(compute: sys::CUstream) -> Result<CopyStream> {
+        let ev = || result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).context("creating a CUDA event");
+        let separate = std::env::var_os("QUIVER_CUDA_COPY_STREAM").is_none_or(|v| v != "0");
+        Ok(CopyStream {
+            stream: if separate { result::stream::create(result::stream::StreamKind::NonBlocking).context("creating the CUDA copy stream")? } else { compute },
+            separate,
+            compute_mark: ev()?,
+            uploaded: ev()?,
+            downloaded: ev()?,
+            drained: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 }
 
@@ -150,6 +230,9 @@ struct State {
     /// the op that produced it, valid while nothing else has run on the device since (`touches`
     /// unchanged). A cuBLAS GEMM on exactly that input then skips its conversion.
     shadow: Option<(u64, usize, u64)>,
+    /// Host ends of the copy stream: staged metadata, downloaded data.
+    pin_up: PinnedBuf,
+    pin_down: PinnedBuf,
 }
 
 /// Optional per-op GPU timing (`QUIVER_CUDA_PROFILE=1`): an event is recorded on the stream
@@ -195,6 +278,7 @@ pub struct CudaDevice {
     ordinal: usize,
     ctx: Arc<CudaContext>,
     stream: sys::CUstream,
+    copy: CopyStream,
     blas: blas::Blas,
     /// cuBLAS's own workspace when multi-row steps may be recorded (declared after `blas` so the
     /// handle is destroyed first); otherwise cuBLAS manages its workspace itself.
@@ -373,12 +457,15 @@ impl CudaDevice {
             side: DevBuf::zeroed(&ctx, 0)?,
             xbf: DevBuf::zeroed(&ctx, 0)?,
             shadow: None,
+            pin_up: PinnedBuf::new(&ctx, 0)?,
+            pin_down: PinnedBuf::new(&ctx, 0)?,
         };
+        let copy = CopyStream::new(stream)?;
         let profiler = std::env::var_os("QUIVER_CUDA_PROFILE").filter(|v| v != "0").map(|_| Mutex::new(Profiler::default()));
         let split_gemm = std::env::var_os("QUIVER_CUDA_SPLIT_GEMM").is_some_and(|v| v != "0");
         let graphs = (profiler.is_none() && std::env::var_os("QUIVER_CUDA_GRAPHS").is_none_or(|v| v != "0")).then(|| Mutex::new(Graphs::default()));
         let pdl = maj >= 9 && std::env::var_os("QUIVER_CUDA_PDL").is_none_or(|v| v != "0");
-        Ok(CudaDevice { ordinal, ctx, stream, blas, _blas_workspace: blas_workspace, k, _module: module, state: Mutex::new(state), name, profiler, split_gemm, graphs, graph_max_rows, pdl, touches: Default::default() })
+        Ok(CudaDevice { ordinal, ctx, stream, copy, blas, _blas_workspace: blas_workspace, k, _module: module, state: Mutex::new(state), name, profiler, split_gemm, graphs, graph_max_rows, pdl, touches: Default::default() })
     }
 
     pub fn name(&self) -> &str {
@@ -430,8 +517,16 @@ impl CudaDevice {
         sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()).result()
     }
 
+    /// Replays a recorded step on the compute stream.
+    fn launch_graph(&self, exec: sys::CUgraphExec) {
+        self.copy.drained.store(false, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: callers pass a live executable graph of this context whose buffers are unchanged.
+        unsafe { result::graph::launch(exec, self.stream) }.unwrap_or_else(|e| panic!("CUDA graph launch on {}: {e:?}", self.name));
+    }
+
     fn touch(&self) {
         self.touches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.copy.drained.store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Where an op producing a `rows × cols` GEMM input `out` also writes its bf16 copy, or null
@@ -570,7 +665,34 @@ impl CudaDevice {
         *tiles = (tiles_at, (host_meta.len() - tiles_at) / 3);
         let bytes = host_meta.len() * 4;
         self.grow(&mut st.meta, bytes);
-        self.htod(st.meta.ptr, &st.host_meta);
+        self.upload_meta(st);
+    }
+
+    /// `host_meta` into `meta` on the copy stream; the compute stream's later work waits for it.
+    fn upload_meta(&self, st: &mut State) {
+        let c = &self.copy;
+        let fail = |what: &str, e: cudarc::driver::DriverError| -> ! { panic!("{what} on {}: {e:?}", self.name) };
+        // The pinned buffer is free again once its previous upload finished (long ago, normally).
+        unsafe { result::event::synchronize(c.uploaded) }.unwrap_or_else(|e| fail("waiting for the last upload", e));
+        let drained = c.drained.swap(false, std::sync::atomic::Ordering::Relaxed);
+        let bytes = st.host_meta.len() * 4;
+        if st.pin_up.bytes < bytes {
+            st.pin_up = PinnedBuf::new(&self.ctx, bytes.next_power_of_two()).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+        }
+        st.pin_up.slice_mut::<u32>(st.host_meta.len()).copy_from_slice(&st.host_meta);
+        self.touch();
+        // SAFETY: events and streams of this context; the source is pinned memory that is not
+        // written again before `uploaded` fires (waited on above), the destination has `bytes`.
+        unsafe {
+            // Kernels queued so far may still read the previous step's metadata.
+            if !drained {
+                result::event::record(c.compute_mark, self.stream).unwrap_or_else(|e| fail("event record", e));
+                result::stream::wait_event(c.stream, c.compute_mark, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).unwrap_or_else(|e| fail("copy stream wait", e));
+            }
+            result::memcpy_htod_async(st.meta.ptr, st.pin_up.slice_mut::<u32>(st.host_meta.len()), c.stream).unwrap_or_else(|e| fail("metadata upload", e));
+            result::event::record(c.uploaded, c.stream).unwrap_or_else(|e| fail("event record", e));
+            result::stream::wait_event(self.stream, c.uploaded, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).unwrap_or_else(|e| fail("compute stream wait", e));
+        }
     }
 
     /// Device address of the row → sequence map for the batch whose positions are `positions`.
@@ -598,11 +720,38 @@ impl Device for CudaDevice {
         if len == 0 {
             return;
         }
-        // SAFETY: t holds at least len floats; a copy into pageable memory returns once done.
-        unsafe { result::memcpy_dtoh_async(&mut out[..len], buf(t), self.stream) }.unwrap_or_else(|e| panic!("device→host copy on {}: {e:?}", self.name));
         self.mark("to_host");
-        let t = std::time::Instant::now();
-        self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+        let c = &self.copy;
+        let fail = |what: &str, e: cudarc::driver::DriverError| -> ! { panic!("{what} on {}: {e:?}", self.name) };
+        let mut st = self.state.lock().unwrap();
+        // Small results come through the pinned buffer; large ones (logits of many rows: 131 MB
+        // for 256 rows of a 128k vocabulary) straight into `out`, where a second host copy
+        // would cost more than the pageable transfer (measured: 8B decode at 256 rows 2× slower).
+        let pinned = len * 4 <= PINNED_DOWNLOAD_MAX;
+        if pinned && st.pin_down.bytes < len * 4 {
+            // The previous download finished before its to_host returned, so the old buffer is free.
+            st.pin_down = PinnedBuf::new(&self.ctx, (len * 4).next_power_of_two()).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+        }
+        let started = std::time::Instant::now();
+        // SAFETY: events and streams of this context; t holds at least len floats, the
+        // destination has room for them and is read only after `downloaded` fires.
+        unsafe {
+            result::event::record(c.compute_mark, self.stream).unwrap_or_else(|e| fail("event record", e));
+            result::stream::wait_event(c.stream, c.compute_mark, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).unwrap_or_else(|e| fail("copy stream wait", e));
+            let dst: &mut [f32] = if pinned { st.pin_down.slice_mut::<f32>(len) } else { &mut out[..len] };
+            result::memcpy_dtoh_async(dst, buf(t), c.stream).unwrap_or_else(|e| fail("device→host copy", e));
+            result::event::record(c.downloaded, c.stream).unwrap_or_else(|e| fail("event record", e));
+            // An asynchronous kernel error surfaces here: the context's errors are sticky.
+            result::event::synchronize(c.downloaded).unwrap_or_else(|e| fail("CUDA work before a device→host copy", e));
+        }
+        // Everything queued on the compute stream so far has finished (one thread drives the
+        // device; any later launch, copy or GEMM clears this through `touch`).
+        c.drained.store(true, std::sync::atomic::Ordering::Relaxed);
+        if pinned {
+            out[..len].copy_from_slice(st.pin_down.slice_mut::<f32>(len));
+        }
+        drop(st);
+        let t = started;
         if let Some(p) = &self.profiler {
             let mut p = p.lock().unwrap();
             if let Some(s) = p.step_start.take() {
@@ -633,6 +782,13 @@ impl Device for CudaDevice {
                 let b = DevBuf::zeroed(&self.ctx, v.len() * 2).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
                 self.htod(b.ptr, &v[..]);
                 (b, DType::Bf16)
+            }
+            WeightData::Tiled(t) => {
+                // A weight the CPU device already tiled: back to rows, then as above.
+                let mut v = vec![0.0f32; rows * cols];
+                v.chunks_mut(cols.max(1)).enumerate().take(rows).for_each(|(r, row)| t.row_f32(r, row));
+                let dtype = if t.is_f32() { DType::F32 } else { DType::Bf16 };
+                return self.load_weight(Weight::from_f32(rows, cols, v, dtype));
             }
             WeightData::Cuda(..) => return w,
         };
@@ -706,7 +862,7 @@ impl Device for CudaDevice {
         if let Some(&(_, exec)) = g.execs.iter().find(|e| e.0 == key) {
             // SAFETY: a live executable graph of this context; its buffers are unchanged
             // (same allocation generation).
-            unsafe { result::graph::launch(exec, self.stream) }.unwrap_or_else(|e| panic!("CUDA graph launch on {}: {e:?}", self.name));
+            self.launch_graph(exec);
             return;
         }
         if g.execs.len() >= MAX_GRAPHS {
@@ -732,7 +888,7 @@ impl Device for CudaDevice {
                 return body();
             }
         };
-        unsafe { result::graph::launch(exec, self.stream) }.unwrap_or_else(|e| panic!("CUDA graph launch on {}: {e:?}", self.name));
+        self.launch_graph(exec);
         if ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst) != generation {
             // Something was allocated while recording (its address is baked in but may move):
             // use this recording once only.
@@ -922,6 +1078,17 @@ impl Drop for CudaDevice {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
             let _ = unsafe { result::stream::synchronize(self.stream) };
+            let c = &self.copy;
+            // SAFETY: created by us in this context, destroyed once, after their work finished.
+            unsafe {
+                let _ = result::stream::synchronize(c.stream);
+                for ev in [c.compute_mark, c.uploaded, c.downloaded] {
+                    let _ = result::event::destroy(ev);
+                }
+                if c.separate {
+                    let _ = result::stream::destroy(c.stream);
+                }
+            }
             if let Some(g) = &self.graphs {
                 g.lock().unwrap().clear();
             }
