@@ -109,6 +109,23 @@ impl Drop for PinnedBuf {
     }
 }
 
+/// Which cuBLAS bf16 GEMMs take their f32 input as a bf16 hi + lo pair (two GEMMs, the second
+/// accumulating) instead of one bf16 rounding: nearly f32 input precision for twice the work.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum SplitGemm {
+    /// `QUIVER_CUDA_SPLIT_GEMM=0`.
+    Never,
+    /// The default: GEMMs over small weights (see [`CudaDevice::splits`]), where the second pass
+    /// re-reads W from L2 and costs microseconds.
+    Small,
+    /// `QUIVER_CUDA_SPLIT_GEMM=1`.
+    Always,
+}
+
+/// A weight counts as small for [`SplitGemm::Small`] up to this many bytes (read twice; at this
+/// size the second read hits L2).
+const SPLIT_MAX_WEIGHT_BYTES: usize = 16 << 20;
+
 /// Largest download staged through the pinned buffer (bytes).
 const PINNED_DOWNLOAD_MAX: usize = 64 << 10;
 
@@ -288,9 +305,8 @@ pub struct CudaDevice {
     state: Mutex<State>,
     name: String,
     profiler: Option<Mutex<Profiler>>,
-    /// `QUIVER_CUDA_SPLIT_GEMM=1`: cuBLAS GEMMs take their f32 input as a bf16 hi + lo pair
-    /// (two GEMMs) instead of one bf16 rounding: closer to f32, twice the GEMM work.
-    split_gemm: bool,
+    /// Which cuBLAS GEMMs take their f32 input as a bf16 hi + lo pair: see [`SplitGemm`].
+    split_gemm: SplitGemm,
     /// Replays of recorded steps; `None` when disabled (`QUIVER_CUDA_GRAPHS=0`, or profiling).
     graphs: Option<Mutex<Graphs>>,
     graph_max_rows: usize,
@@ -462,7 +478,11 @@ impl CudaDevice {
         };
         let copy = CopyStream::new(stream)?;
         let profiler = std::env::var_os("QUIVER_CUDA_PROFILE").filter(|v| v != "0").map(|_| Mutex::new(Profiler::default()));
-        let split_gemm = std::env::var_os("QUIVER_CUDA_SPLIT_GEMM").is_some_and(|v| v != "0");
+        let split_gemm = match std::env::var("QUIVER_CUDA_SPLIT_GEMM").as_deref() {
+            Ok("1") => SplitGemm::Always,
+            Ok("0") => SplitGemm::Never,
+            _ => SplitGemm::Small,
+        };
         let graphs = (profiler.is_none() && std::env::var_os("QUIVER_CUDA_GRAPHS").is_none_or(|v| v != "0")).then(|| Mutex::new(Graphs::default()));
         let pdl = maj >= 9 && std::env::var_os("QUIVER_CUDA_PDL").is_none_or(|v| v != "0");
         Ok(CudaDevice { ordinal, ctx, stream, copy, blas, _blas_workspace: blas_workspace, k, _module: module, state: Mutex::new(state), name, profiler, split_gemm, graphs, graph_max_rows, pdl, touches: Default::default() })
@@ -517,6 +537,22 @@ impl CudaDevice {
         sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()).result()
     }
 
+    /// Whether a multi-row bf16 GEMM over an `n × k` weight takes the hi + lo split of its input.
+    /// Over small weights it does: every GEMM of a model like SmolLM2 (hidden 576) is a few
+    /// microseconds of launch-bound work on an H200, and its input rounded once to bf16 at every
+    /// GEMM of 30 layers moved logprobs by up to 0.14 against f32 (0.06–0.08 with the split).
+    /// Over big ones (every Llama-8B projection) it does not: there the second pass would cost
+    /// throughput. The choice depends on the weight only, never on the batch, so a row is
+    /// computed the same way whatever shares its step (the single-row GEMV reads f32 input
+    /// anyway).
+    fn splits(&self, n: usize, k: usize) -> bool {
+        match self.split_gemm {
+            SplitGemm::Always => true,
+            SplitGemm::Never => false,
+            SplitGemm::Small => 2 * n * k <= SPLIT_MAX_WEIGHT_BYTES,
+        }
+    }
+
     /// Replays a recorded step on the compute stream.
     fn launch_graph(&self, exec: sys::CUgraphExec) {
         self.copy.drained.store(false, std::sync::atomic::Ordering::Relaxed);
@@ -533,7 +569,7 @@ impl CudaDevice {
     /// when the consuming matmul will not be a plain cuBLAS bf16 GEMM (single rows take the GEMV;
     /// the split mode converts itself). Call `set_shadow` after launching the producer.
     fn shadow_for(&self, st: &mut State, rows: usize, cols: usize) -> u64 {
-        if rows <= GEMV_MAX_M || self.split_gemm {
+        if rows <= GEMV_MAX_M || self.split_gemm == SplitGemm::Always {
             return 0;
         }
         self.grow(&mut st.xbf, rows * cols * 2);
@@ -842,7 +878,7 @@ impl Device for CudaDevice {
             let decode = st.tiles.1 == rows; // otherwise some sequence brings several rows: prefill
             if decode && rows > GEMV_MAX_M {
                 // Size the GEMM input scratch now: it may not grow while recording.
-                let per_elem = if self.split_gemm { 4 } else { 2 };
+                let per_elem = if self.split_gemm == SplitGemm::Never { 2 } else { 4 };
                 self.grow(&mut st.xbf, rows * GRAPH_MAX_K * per_elem);
             }
             decode
@@ -917,7 +953,7 @@ impl Device for CudaDevice {
                 self.mark("matmul gemv");
                 return;
             }
-            DType::Bf16 if self.split_gemm => {
+            DType::Bf16 if self.splits(n, k) => {
                 let mut st = self.state.lock().unwrap();
                 self.grow(&mut st.xbf, m * k * 4);
                 let (hi, lo) = (st.xbf.ptr, st.xbf.ptr + (m * k * 2) as u64);
