@@ -5,7 +5,7 @@
 //! allocator's 16-byte alignment it had to copy each task's block of W to aligned scratch
 //! first, which measured as a third of a 16-row decode step.
 
-use std::alloc::{alloc, dealloc, handle_alloc_error, Layout};
+use std::alloc::{alloc, alloc_zeroed, dealloc, handle_alloc_error, Layout};
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
@@ -37,6 +37,22 @@ impl<T: Copy> AlignedVec<T> {
             let p = alloc(layout) as *mut T;
             let Some(ptr) = NonNull::new(p) else { handle_alloc_error(layout) };
             std::ptr::copy_nonoverlapping(src.as_ptr(), ptr.as_ptr(), len);
+            AlignedVec { ptr, len }
+        }
+    }
+
+    /// `len` zeros in aligned memory (fresh pages from the allocator, no copy).
+    pub fn zeroed(len: usize) -> Self
+    where
+        T: bytemuck::Zeroable,
+    {
+        if len == 0 || std::mem::size_of::<T>() == 0 {
+            return AlignedVec { ptr: NonNull::dangling(), len };
+        }
+        let layout = Self::layout(len);
+        // SAFETY: layout has a nonzero size; all-zero bytes are a valid T (Zeroable).
+        unsafe {
+            let Some(ptr) = NonNull::new(alloc_zeroed(layout) as *mut T) else { handle_alloc_error(layout) };
             AlignedVec { ptr, len }
         }
     }
@@ -81,6 +97,15 @@ impl<T: Copy + std::fmt::Debug> std::fmt::Debug for AlignedVec<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zeroed_is_aligned_and_zero() {
+        let v = AlignedVec::<u16>::zeroed(1000);
+        assert_eq!(v.as_ptr() as usize % ALIGN, 0);
+        assert_eq!(v.len(), 1000);
+        assert!(v.iter().all(|&x| x == 0));
+        assert!(AlignedVec::<f32>::zeroed(0).is_empty());
+    }
 
     #[test]
     fn aligned_copy_of_the_data() {

@@ -11,8 +11,8 @@
 //!
 //! **Arithmetic ("bf16x3").** An f32 value v is carried as two bf16, `hi = bf16(v)` and
 //! `lo = bf16(v − hi)` (round to nearest even), about 17 significant bits together. Per output
-//! element, over the chunks of 32 k in increasing order: `main += W_hi·x_hi`, then
-//! `corr += W_hi·x_lo`, then `corr += W_lo·x_hi`; finally `y = main + corr`. The dropped
+//! element, over the chunks of 32 k in increasing order, one f32 accumulator takes `W_hi·x_hi`,
+//! then `W_hi·x_lo`, then `W_lo·x_hi` (each a 32-term tile dot product). The dropped
 //! `W_lo·x_lo` and the two representation errors bound the relative error of each product by
 //! about 3·2⁻¹⁷ (≈ 2e-5), against 2⁻²⁴ per f32 FMA: PyTorch's "high" float32 matmul precision,
 //! which oneDNN implements the same way. bf16 weights have no `lo`, so their products are exact
@@ -25,13 +25,16 @@
 //! row's result is bit-identical alone (decode) or inside any batch, as on the FMA path.
 //!
 //! Layout. Result tiles are `Cᵀ`: 16 rows of W (n) × 16 rows of x (m). The left operand is a
-//! 16 × 32 block of W, stored as a contiguous 1 KiB tile ([`TiledWeight`]); the right operand is x packed once per call into VNNI tiles: tile row p holds, for each of the
-//! 16 x rows, the pair `x[m][2p], x[m][2p+1]` of its 32-wide k chunk.
+//! 16 × 32 block of W, stored as a contiguous 1 KiB tile ([`TiledWeight`]); the right operand
+//! is x packed once per call into VNNI tiles: tile row p holds, for each of the 16 x rows, the
+//! pair `x[m][2p], x[m][2p+1]` of its 32-wide k chunk.
 
 use half::bf16;
 use rayon::prelude::*;
 use std::cell::RefCell;
 use std::sync::OnceLock;
+
+use super::SyncPtr;
 
 /// Rows of a tile: x rows per right operand, W rows per left operand, accumulator rows.
 const TILE: usize = 16;
@@ -50,7 +53,14 @@ const SEQ_WORK: usize = 64 * 1024;
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
-        let asked = std::env::var("QUIVER_CPU_AMX").is_ok_and(|v| v == "1");
+        let asked = match std::env::var("QUIVER_CPU_AMX").as_deref() {
+            Ok("1") => true,
+            Ok("0") | Err(_) => false,
+            Ok(v) => {
+                tracing::warn!("QUIVER_CPU_AMX={v:?} is neither 0 nor 1: using the f32 FMA GEMM");
+                false
+            }
+        };
         if asked && !supported() {
             tracing::warn!("QUIVER_CPU_AMX=1 but this CPU or OS offers no AMX-BF16 tiles: using the f32 FMA GEMM");
         }
@@ -128,10 +138,59 @@ fn chunk<T: Copy + Default>(row: &[T], kc: usize) -> [T; KC] {
 pub trait AmxWeight: Copy + Default + Send + Sync + 'static {
     /// bf16 planes per weight: 2 (hi, lo) for f32, 1 for bf16.
     const PLANES: usize;
-    /// Writes rows `0..rows.len() / k` (≤ 16) of W, block `j` of a group, into the group's
-    /// `panel` as left-operand tiles: tile `(kc, plane)` at `((kc · GROUP + j) · PLANES + plane)
-    /// · TILE_ELEMS`, row r at `r · 32`; rows past the end and k past `k` are zero.
-    fn convert_panel(rows: &[Self], k: usize, panel: &mut [u16], j: usize);
+    /// The bf16 bits of each plane (the second is unused with one plane).
+    fn planes(self) -> (u16, u16);
+}
+
+impl AmxWeight for f32 {
+    const PLANES: usize = 2;
+    #[inline(always)]
+    fn planes(self) -> (u16, u16) {
+        split(self)
+    }
+}
+
+impl AmxWeight for bf16 {
+    const PLANES: usize = 1;
+    #[inline(always)]
+    fn planes(self) -> (u16, u16) {
+        (self.to_bits(), 0)
+    }
+}
+
+/// Writes rows `0..rows.len() / k` (≤ 16) of W, block `j` of a group, into the group's `panel`
+/// as left-operand tiles: tile `(kc, plane)` at `((kc · GROUP + j) · PLANES + plane) ·
+/// TILE_ELEMS`, row r at `r · 32`. Rows past the end and k past `k` stay zero.
+fn convert_panel<W: AmxWeight>(rows: &[W], k: usize, panel: &mut [u16], j: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512bw") {
+        // SAFETY: AVX-512BW (and so F) was just detected.
+        return unsafe { convert_panel_avx512(rows, k, panel, j) };
+    }
+    convert_panel_body(rows, k, panel, j)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn convert_panel_avx512<W: AmxWeight>(rows: &[W], k: usize, panel: &mut [u16], j: usize) {
+    convert_panel_body(rows, k, panel, j)
+}
+
+#[inline(always)]
+fn convert_panel_body<W: AmxWeight>(rows: &[W], k: usize, panel: &mut [u16], j: usize) {
+    for (r, row) in rows.chunks_exact(k).enumerate() {
+        for kc in 0..k.div_ceil(KC) {
+            let t = (kc * GROUP + j) * W::PLANES * TILE_ELEMS + r * KC;
+            let c = chunk(row, kc);
+            for (i, v) in c.iter().enumerate() {
+                let (hi, lo) = v.planes();
+                panel[t + i] = hi;
+                if W::PLANES == 2 {
+                    panel[t + TILE_ELEMS + i] = lo;
+                }
+            }
+        }
+    }
 }
 
 /// A weight matrix `[rows, cols]` stored as left-operand tiles, converted once at load:
@@ -157,13 +216,13 @@ impl TiledWeight {
     fn build<W: AmxWeight>(rows: usize, cols: usize, w: &[W]) -> Self {
         assert_eq!(w.len(), rows * cols, "tiled weight: data does not match its shape");
         let per_group = GROUP * cols.div_ceil(KC).max(1) * W::PLANES * TILE_ELEMS;
-        let mut data = crate::aligned::AlignedVec::from_slice(&vec![0u16; rows.div_ceil(GROUP * TILE) * per_group]);
+        let mut data = crate::aligned::AlignedVec::zeroed(rows.div_ceil(GROUP * TILE) * per_group);
         if cols > 0 {
             data.par_chunks_mut(per_group).enumerate().for_each(|(ng, dst)| {
                 for j in 0..GROUP {
                     let r0 = ((ng * GROUP + j) * TILE).min(rows);
                     let r1 = (r0 + TILE).min(rows);
-                    W::convert_panel(&w[r0 * cols..r1 * cols], cols, dst, j)
+                    convert_panel(&w[r0 * cols..r1 * cols], cols, dst, j)
                 }
             });
         }
@@ -184,67 +243,6 @@ impl TiledWeight {
             let t = (((nb / GROUP * kcs + c / KC) * GROUP + nb % GROUP) * self.planes) * TILE_ELEMS + rr * KC + c % KC;
             let hi = f32::from_bits((self.data[t] as u32) << 16);
             *o = if self.planes == 2 { hi + f32::from_bits((self.data[t + TILE_ELEMS] as u32) << 16) } else { hi };
-        }
-    }
-}
-
-impl AmxWeight for f32 {
-    const PLANES: usize = 2;
-    fn convert_panel(rows: &[f32], k: usize, panel: &mut [u16], j: usize) {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx512bw") {
-            // SAFETY: AVX-512BW (and so F) was just detected.
-            return unsafe { convert_f32_avx512(rows, k, panel, j) };
-        }
-        convert_f32_body(rows, k, panel, j)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn convert_f32_avx512(rows: &[f32], k: usize, panel: &mut [u16], j: usize) {
-    convert_f32_body(rows, k, panel, j)
-}
-
-#[inline(always)]
-fn convert_f32_body(rows: &[f32], k: usize, panel: &mut [u16], j: usize) {
-    let n = rows.len() / k;
-    for kc in 0..k.div_ceil(KC) {
-        let t = (kc * GROUP + j) * 2;
-        let (hi_tile, rest) = panel[t * TILE_ELEMS..(t + 2) * TILE_ELEMS].split_at_mut(TILE_ELEMS);
-        for r in 0..TILE {
-            let (h, l) = (&mut hi_tile[r * KC..(r + 1) * KC], &mut rest[r * KC..(r + 1) * KC]);
-            if r >= n {
-                h.fill(0);
-                l.fill(0);
-                continue;
-            }
-            let c = chunk(&rows[r * k..(r + 1) * k], kc);
-            for t in 0..KC {
-                (h[t], l[t]) = split(c[t]);
-            }
-        }
-    }
-}
-
-impl AmxWeight for bf16 {
-    const PLANES: usize = 1;
-    fn convert_panel(rows: &[bf16], k: usize, panel: &mut [u16], j: usize) {
-        let n = rows.len() / k;
-        for kc in 0..k.div_ceil(KC) {
-            let t = kc * GROUP + j;
-            let tile = &mut panel[t * TILE_ELEMS..(t + 1) * TILE_ELEMS];
-            for r in 0..TILE {
-                let dst = &mut tile[r * KC..(r + 1) * KC];
-                if r >= n {
-                    dst.fill(0);
-                } else {
-                    let c = chunk(&rows[r * k..(r + 1) * k], kc);
-                    for t in 0..KC {
-                        dst[t] = c[t].to_bits();
-                    }
-                }
-            }
         }
     }
 }
@@ -305,10 +303,6 @@ fn aligned_window(buf: &mut Vec<u16>, len: usize) -> &mut [u16] {
     &mut buf[off..off + len]
 }
 
-#[derive(Clone, Copy)]
-struct SyncPtr<T>(*mut T);
-unsafe impl<T> Send for SyncPtr<T> {}
-unsafe impl<T> Sync for SyncPtr<T> {}
 
 /// `y = x · Wᵀ` for x `[m, w.cols]`, y `[m, w.rows]`; the caller checked `enabled()`.
 pub fn matmul(x: &[f32], m: usize, w: &TiledWeight, y: &mut [f32]) {
@@ -328,9 +322,6 @@ pub fn matmul(x: &[f32], m: usize, w: &TiledWeight, y: &mut [f32]) {
     })
 }
 
-/// How many k chunks ahead of the multiplies W is prefetched.
-const PREFETCH_CHUNKS: usize = 8;
-
 /// Bytes of W a task should keep in L2 while every group of x rows passes over it.
 const TASK_W_BYTES: usize = 512 * 1024;
 
@@ -349,7 +340,7 @@ fn matmul_packed(xp: &mut [u16], x: &[f32], m: usize, w: &TiledWeight, y: &mut [
     }
     let xp: &[u16] = xp;
     let ngs = n.div_ceil(GROUP * TILE);
-    let yp = SyncPtr(y.as_mut_ptr());
+    let yp = SyncPtr(y.as_mut_ptr() as *const f32);
     // SAFETY: tasks write disjoint column ranges of y; x and y were bounds-checked above and xp
     // holds one packed block per 16 rows of x.
     let task = |groups: std::ops::Range<usize>| {
@@ -358,9 +349,9 @@ fn matmul_packed(xp: &mut [u16], x: &[f32], m: usize, w: &TiledWeight, y: &mut [
         let yp = yp;
         unsafe {
             if w.planes == 2 {
-                task_body::<2>(xp, m, kcs, &w.data, n, groups, yp.0)
+                task_body::<2>(xp, m, kcs, &w.data, n, groups, yp.0 as *mut f32)
             } else {
-                task_body::<1>(xp, m, kcs, &w.data, n, groups, yp.0)
+                task_body::<1>(xp, m, kcs, &w.data, n, groups, yp.0 as *mut f32)
             }
         }
     };
@@ -402,52 +393,59 @@ const CONFIG: TileConfig = {
 #[repr(C, align(64))]
 struct Scratch([f32; TILE * TILE]);
 
-/// Accumulator tile `C` += `A_hi·B_hi + A_hi·B_lo (+ A_lo·B_hi)`, in that order, with the
-/// right-operand tiles at `b` and `b + 1 KiB` loaded into tmm6/tmm7 (A is in tmm4/tmm5).
-macro_rules! mac {
-    ($c:literal, $planes:expr, $b:expr) => {{
-        let b: *const u16 = $b;
-        if $planes == 2 {
-            std::arch::asm!("tileloadd tmm6, [{b} + {s}*1]", "tileloadd tmm7, [{l} + {s}*1]",
-                concat!("tdpbf16ps tmm", $c, ", tmm4, tmm6"), concat!("tdpbf16ps tmm", $c, ", tmm4, tmm7"),
-                concat!("tdpbf16ps tmm", $c, ", tmm5, tmm6"),
-                b = in(reg) b, l = in(reg) b.add(TILE_ELEMS), s = in(reg) 64usize, options(nostack, readonly))
-        } else {
-            std::arch::asm!("tileloadd tmm6, [{b} + {s}*1]", "tileloadd tmm7, [{l} + {s}*1]",
-                concat!("tdpbf16ps tmm", $c, ", tmm4, tmm6"), concat!("tdpbf16ps tmm", $c, ", tmm4, tmm7"),
-                b = in(reg) b, l = in(reg) b.add(TILE_ELEMS), s = in(reg) 64usize, options(nostack, readonly))
-        }
-    }};
-}
-
-/// Accumulator tile `C` += `A_hi·B_hi + A_hi·B_lo (+ A_lo·B_hi)` like `mac!`, for one x block
-/// whose tiles are already in tmm6/tmm7, loading W's tiles at `a` (and `a + 1 KiB`) into
-/// tmm4/tmm5.
-macro_rules! mac_w {
-    ($c:literal, $planes:expr, $a:expr) => {{
-        let a: *const u16 = $a;
-        if $planes == 2 {
-            std::arch::asm!("tileloadd tmm4, [{a} + {s}*1]", "tileloadd tmm5, [{l} + {s}*1]",
-                concat!("tdpbf16ps tmm", $c, ", tmm4, tmm6"), concat!("tdpbf16ps tmm", $c, ", tmm4, tmm7"),
-                concat!("tdpbf16ps tmm", $c, ", tmm5, tmm6"),
-                a = in(reg) a, l = in(reg) a.add(TILE_ELEMS), s = in(reg) 64usize, options(nostack, readonly))
-        } else {
-            std::arch::asm!("tileloadd tmm4, [{a} + {s}*1]",
-                concat!("tdpbf16ps tmm", $c, ", tmm4, tmm6"), concat!("tdpbf16ps tmm", $c, ", tmm4, tmm7"),
-                a = in(reg) a, s = in(reg) 64usize, options(nostack, readonly))
-        }
-    }};
-}
-
-/// Hint that `tiles` tiles at `a` are read soon: tile loads cannot start before the previous
-/// multiplies release their register, so loads and multiplies serialize and W must already be
-/// in cache when its turn comes.
+/// Loads the right-operand tiles (x's hi and lo) at `b` and `b + 1 KiB` into tmm6/tmm7.
+///
+/// # Safety
+/// The tile configuration is loaded; 2 KiB at `b` are readable.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn prefetch_tiles(a: *const u16, tiles: usize) {
-    for l in 0..tiles * TILE {
-        // SAFETY: prefetch never faults.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>((a as *const i8).add(l * 64)) };
+unsafe fn load_x(b: *const u16) {
+    unsafe {
+        std::arch::asm!("tileloadd tmm6, [{b} + {s}*1]", "tileloadd tmm7, [{l} + {s}*1]",
+            b = in(reg) b, l = in(reg) b.add(TILE_ELEMS), s = in(reg) 64usize, options(nostack, readonly))
+    }
+}
+
+/// Loads the left-operand tiles (W's hi, and lo for f32) at `a` into tmm4 (and tmm5).
+///
+/// # Safety
+/// The tile configuration is loaded; `PLANES` KiB at `a` are readable.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn load_w<const PLANES: usize>(a: *const u16) {
+    unsafe {
+        std::arch::asm!("tileloadd tmm4, [{a} + {s}*1]", a = in(reg) a, s = in(reg) 64usize, options(nostack, readonly));
+        if PLANES == 2 {
+            std::arch::asm!("tileloadd tmm5, [{a} + {s}*1]", a = in(reg) a.add(TILE_ELEMS), s = in(reg) 64usize, options(nostack, readonly));
+        }
+    }
+}
+
+/// Accumulator tile `c` (tmm0–3) += `W_hi·x_hi`, then `W_hi·x_lo`, then (f32 W) `W_lo·x_hi`,
+/// from the operands `load_w` and `load_x` put in tmm4–7.
+///
+/// # Safety
+/// The tile configuration is loaded and the operand tiles hold data.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn multiply<const PLANES: usize>(c: usize) {
+    macro_rules! dp {
+        ($c:literal) => {
+            if PLANES == 2 {
+                std::arch::asm!(concat!("tdpbf16ps tmm", $c, ", tmm4, tmm6"), concat!("tdpbf16ps tmm", $c, ", tmm4, tmm7"),
+                    concat!("tdpbf16ps tmm", $c, ", tmm5, tmm6"), options(nostack, nomem))
+            } else {
+                std::arch::asm!(concat!("tdpbf16ps tmm", $c, ", tmm4, tmm6"), concat!("tdpbf16ps tmm", $c, ", tmm4, tmm7"), options(nostack, nomem))
+            }
+        };
+    }
+    unsafe {
+        match c {
+            0 => dp!("0"),
+            1 => dp!("1"),
+            2 => dp!("2"),
+            _ => dp!("3"),
+        }
     }
 }
 
@@ -508,15 +506,11 @@ unsafe fn task_body<const PLANES: usize>(xp: &[u16], m: usize, kcs: usize, w: &[
                 let n0 = ng * GROUP;
                 asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
                 for kc in 0..kcs {
-                    let b = xtile(0, kc);
-                    asm!("tileloadd tmm6, [{b} + {s}*1]", "tileloadd tmm7, [{l} + {s}*1]",
-                        b = in(reg) b, l = in(reg) b.add(TILE_ELEMS), s = in(reg) 64usize, options(nostack, readonly));
-                    let a = wtile(n0, kc);
-                    prefetch_tiles(a.add(PREFETCH_CHUNKS * GROUP * PLANES * TILE_ELEMS), GROUP * PLANES);
-                    mac_w!("0", PLANES, a);
-                    mac_w!("1", PLANES, a.add(PLANES * TILE_ELEMS));
-                    mac_w!("2", PLANES, a.add(2 * PLANES * TILE_ELEMS));
-                    mac_w!("3", PLANES, a.add(3 * PLANES * TILE_ELEMS));
+                    load_x(xtile(0, kc));
+                    for j in 0..GROUP {
+                        load_w::<PLANES>(wtile(n0 + j, kc));
+                        multiply::<PLANES>(j);
+                    }
                 }
                 for j in 0..GROUP.min(nb_end.saturating_sub(n0)) {
                     store_tile(j, &mut out, m, 0, n, n0 + j, y);
@@ -530,20 +524,10 @@ unsafe fn task_body<const PLANES: usize>(xp: &[u16], m: usize, kcs: usize, w: &[
             for nbi in groups.start * GROUP..nb_end {
                 asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
                 for kc in 0..kcs {
-                    let a = wtile(nbi, kc);
-                    asm!("tileloadd tmm4, [{a} + {s}*1]", a = in(reg) a, s = in(reg) 64usize, options(nostack, readonly));
-                    if PLANES == 2 {
-                        asm!("tileloadd tmm5, [{a} + {s}*1]", a = in(reg) a.add(TILE_ELEMS), s = in(reg) 64usize, options(nostack, readonly));
-                    }
-                    mac!("0", PLANES, xtile(mb, kc));
-                    if g > 1 {
-                        mac!("1", PLANES, xtile(mb + 1, kc));
-                    }
-                    if g > 2 {
-                        mac!("2", PLANES, xtile(mb + 2, kc));
-                    }
-                    if g > 3 {
-                        mac!("3", PLANES, xtile(mb + 3, kc));
+                    load_w::<PLANES>(wtile(nbi, kc));
+                    for i in 0..g {
+                        load_x(xtile(mb + i, kc));
+                        multiply::<PLANES>(i);
                     }
                 }
                 for i in 0..g {

@@ -23,6 +23,7 @@
 //! while each x tile (in L1) passes over it.
 
 use super::simd::{isa, Isa};
+use super::SyncPtr;
 use half::bf16;
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -409,10 +410,6 @@ const MAX_BLOCK_COLS: usize = 64;
 /// Below this many multiply-adds the whole product runs on the calling thread.
 const SEQ_WORK: usize = 64 * 1024;
 
-#[derive(Clone, Copy)]
-struct SyncPtr<T>(*const T);
-unsafe impl<T> Send for SyncPtr<T> {}
-unsafe impl<T> Sync for SyncPtr<T> {}
 
 fn gemm<T: WElem>(x: &[f32], m: usize, k: usize, w: &[T], n: usize, y: &mut [f32], accumulate: bool) {
     assert!(x.len() >= m * k && w.len() >= n * k && y.len() >= m * n, "gemm: buffers too small for {m}x{k} · ({n}x{k})ᵀ");

@@ -12,6 +12,13 @@ use rayon::prelude::*;
 
 pub use gemm::matmul_f32;
 
+/// A raw pointer that parallel tasks may share: each task touches only its own part of the
+/// buffer behind it (the callers' safety arguments say which).
+#[derive(Clone, Copy)]
+struct SyncPtr<T>(*const T);
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+
 /// Which GEMM the CPU device uses for weights, for benchmark reports.
 pub fn gemm_kind() -> &'static str {
     if amx::enabled() { "amx bf16x3 tiles" } else { "f32 fma" }

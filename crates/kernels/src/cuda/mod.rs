@@ -481,7 +481,11 @@ impl CudaDevice {
         let split_gemm = match std::env::var("QUIVER_CUDA_SPLIT_GEMM").as_deref() {
             Ok("1") => SplitGemm::Always,
             Ok("0") => SplitGemm::Never,
-            _ => SplitGemm::Small,
+            Err(_) => SplitGemm::Small,
+            Ok(v) => {
+                tracing::warn!("QUIVER_CUDA_SPLIT_GEMM={v:?} is neither 0 nor 1: splitting GEMMs over small weights only (the default)");
+                SplitGemm::Small
+            }
         };
         let graphs = (profiler.is_none() && std::env::var_os("QUIVER_CUDA_GRAPHS").is_none_or(|v| v != "0")).then(|| Mutex::new(Graphs::default()));
         let pdl = maj >= 9 && std::env::var_os("QUIVER_CUDA_PDL").is_none_or(|v| v != "0");
@@ -819,13 +823,7 @@ impl Device for CudaDevice {
                 self.htod(b.ptr, &v[..]);
                 (b, DType::Bf16)
             }
-            WeightData::Tiled(t) => {
-                // A weight the CPU device already tiled: back to rows, then as above.
-                let mut v = vec![0.0f32; rows * cols];
-                v.chunks_mut(cols.max(1)).enumerate().take(rows).for_each(|(r, row)| t.row_f32(r, row));
-                let dtype = if t.is_f32() { DType::F32 } else { DType::Bf16 };
-                return self.load_weight(Weight::from_f32(rows, cols, v, dtype));
-            }
+            WeightData::Tiled(_) => panic!("CUDA load_weight given a weight the CPU device already loaded (build a fresh Weight per device)"),
             WeightData::Cuda(..) => return w,
         };
         Weight { rows, cols, data: WeightData::Cuda(b, dtype) }
