@@ -32,7 +32,7 @@ step refs python3 scripts/gpu_models.py refs "$DATA"
 step ceilings python3 scripts/gpu_models.py ceilings "$DATA"
 step kernel-tests .gpu/bin/cuda_kernels --ignored --test-threads 1 --nocapture
 step parity-tests .gpu/bin/cuda_parity --ignored --test-threads 1 --nocapture
-step bench-8b .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
+[ "${GPU_CHECK_BENCH:-1}" = 1 ] && step bench-8b .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
     --prompt-len 2048 --batch-sizes 1,4,16,64,256 --decode-steps 32 --reps 3 --output-json "$DATA/bench-llama8b.json"
 # Decode steps of several rows replay CUDA graphs by default; the same batches with only
 # single-row steps recorded show what the graphs are worth. Set GPU_CHECK_GRAPHS=0 to skip.
@@ -57,6 +57,23 @@ if [ "${GPU_CHECK_COPY_AB:-1}" = 1 ]; then
     step bench-8b-copy-ab copy_ab
     cat "$LOGS/bench-8b-copy-ab.log"
 fi
+# Batch-1 decode A/B, each mode a set of environment settings (comma-separated), alternated
+# GPU_CHECK_AB_ROUNDS times (2); by default single-row GEMVs with and without RoPE and SiLU·mul fused into their epilogue
+# (QUIVER_CUDA_FUSE_EPILOGUES). GPU_CHECK_AB_MODES overrides the modes; GPU_CHECK_GEMV_AB=0 skips.
+if [ "${GPU_CHECK_GEMV_AB:-1}" = 1 ]; then
+    gemv_ab() {
+        local modes=${GPU_CHECK_AB_MODES:-"QUIVER_CUDA_FUSE_EPILOGUES=0 QUIVER_CUDA_FUSE_EPILOGUES=1"}
+        for round in $(seq "${GPU_CHECK_AB_ROUNDS:-2}"); do
+            for mode in $modes; do
+                echo "$mode (round $round)"
+                env ${mode//,/ } .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
+                    --prompt-len 128 --batch-sizes 1 --decode-steps 128 --reps 3 | grep -E "decode batch" || return 1
+            done
+        done
+    }
+    step bench-8b-gemv-ab gemv_ab
+    cat "$LOGS/bench-8b-gemv-ab.log"
+fi
 # Where the time goes, per op (GPU time between op ends, so launch gaps show), prefill-heavy.
 # Set GPU_CHECK_PROFILE=0 to skip.
 if [ "${GPU_CHECK_PROFILE:-1}" = 1 ]; then
@@ -75,7 +92,7 @@ serve_smoke() {
     kill $pid; wait $pid
     return $rc
 }
-step serve-smoke serve_smoke
+[ "${GPU_CHECK_SERVE:-1}" = 1 ] && step serve-smoke serve_smoke
 tail -n 1 "$LOGS/serve-smoke.log"; echo
 cp "$DATA"/bench-llama8b.json "$DATA"/bench-llama8b-eager.json "$DATA"/ceilings.json "$OUT"/ 2>/dev/null
 grep -hE "rel err|max \|Δlogprob\||identical|diverge" "$LOGS/kernel-tests.log" "$LOGS/parity-tests.log" > "$OUT/accuracy.txt" 2>/dev/null

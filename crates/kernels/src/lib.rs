@@ -303,6 +303,20 @@ pub trait Device: Send + Sync {
     fn rope_qk(&self, qkv: &mut Tensor, rows: usize, positions: &[u32], n_heads: usize, n_kv_heads: usize, table: &RopeTable);
     /// `out[r, i] = silu(gu[r, i]) * gu[r, inter + i]` for a fused `[rows, 2·inter]` buffer.
     fn silu_mul(&self, gate_up: &Tensor, rows: usize, inter: usize, out: &mut Tensor);
+    /// [`Device::matmul`] by a fused `[gate; up]` weight into `gate_up`, then
+    /// [`Device::silu_mul`] into `out`. A device may do both in one pass (then `gate_up` is left
+    /// as it was): at batch 1 each kernel less shortens a chain of latency-bound launches.
+    fn matmul_silu_mul(&self, x: &Tensor, m: usize, w: &Weight, gate_up: &mut Tensor, out: &mut Tensor) {
+        self.matmul(x, m, w, None, gate_up);
+        self.silu_mul(gate_up, m, w.rows / 2, out);
+    }
+    /// [`Device::matmul`] by a fused qkv weight, then [`Device::rope_qk`] on the result; a
+    /// device may do both in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_rope_qk(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, qkv: &mut Tensor, positions: &[u32], n_heads: usize, n_kv_heads: usize, table: &RopeTable) {
+        self.matmul(x, m, w, bias, qkv);
+        self.rope_qk(qkv, m, positions, n_heads, n_kv_heads, table);
+    }
     /// Writes each row's k/v (from the fused qkv buffer) into the paged cache of `layer`, then
     /// computes causal attention of each new query against its sequence's whole context.
     /// `out` is `[rows, n_heads·head_dim]`.

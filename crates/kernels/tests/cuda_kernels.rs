@@ -175,6 +175,46 @@ fn rope_matches_cpu() {
     }
 }
 
+/// The batch-1 GEMVs with RoPE or SiLU·mul fused into their epilogue against the CPU running
+/// the two ops apart, and against the GPU running them apart (same dot products, so nearly
+/// bit-equal). Head counts and dims that leave partly filled blocks; k = 67 takes the unfused path.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn fused_gemv_epilogues_match_cpu() {
+    let (g, c) = (gpu(), CpuDevice::new());
+    let mut r = Rng::fresh("fused gemv");
+    for &(nh, nkv, hd, k) in &[(1, 1, 2, 8), (9, 3, 64, 576), (32, 8, 128, 4096), (6, 2, 80, 1000), (3, 1, 20, 67)] {
+        let (tc, tg) = (rope_table(&c, hd, 4096), rope_table(&g, hd, 4096));
+        let n = (nh + 2 * nkv) * hd;
+        let (x, w, b) = (r.vec(k, 1.0), r.vec(n * k, 0.5), r.vec(n, 1.0));
+        let pos = [r.below(4096) as u32];
+        let (wc, wg) = (c.load_weight(Weight::from_f32(n, k, w.clone(), DType::Bf16)), g.load_weight(Weight::from_f32(n, k, w, DType::Bf16)));
+        let (xc, xg) = (c.tensor_from(&x), g.tensor_from(&x));
+        for bias in [None, Some(&b)] {
+            let (bc, bg) = (bias.map(|b| c.tensor_from(b)), bias.map(|b| g.tensor_from(b)));
+            let (mut yc, mut yg, mut yu) = (poisoned(&c, n), poisoned(&g, n), poisoned(&g, n));
+            c.matmul_rope_qk(&xc, 1, &wc, bc.as_ref(), &mut yc, &pos, nh, nkv, &tc);
+            g.matmul_rope_qk(&xg, 1, &wg, bg.as_ref(), &mut yg, &pos, nh, nkv, &tg);
+            g.matmul(&xg, 1, &wg, bg.as_ref(), &mut yu);
+            g.rope_qk(&mut yu, 1, &pos, nh, nkv, &tg);
+            let what = format!("gemv + rope heads={nh}/{nkv} hd={hd} k={k} bias={}", bias.is_some());
+            let fused = host(&g, &yg, n);
+            check(&what, &fused, &yc.as_cpu()[..n], 1e-4);
+            check(&format!("{what} vs unfused"), &fused, &host(&g, &yu, n), 1e-6);
+        }
+        let inter = n / 2;
+        let (mut guc, mut gug, mut oc, mut og, mut ou) = (poisoned(&c, n), poisoned(&g, n), poisoned(&c, inter), poisoned(&g, inter), poisoned(&g, inter));
+        c.matmul_silu_mul(&xc, 1, &wc, &mut guc, &mut oc);
+        g.matmul_silu_mul(&xg, 1, &wg, &mut gug, &mut og);
+        g.matmul(&xg, 1, &wg, None, &mut gug);
+        g.silu_mul(&gug, 1, inter, &mut ou);
+        let what = format!("gemv + silu_mul {n}x{k}");
+        let fused = host(&g, &og, inter);
+        check(&what, &fused, &oc.as_cpu()[..inter], 1e-4);
+        check(&format!("{what} vs unfused"), &fused, &host(&g, &ou, inter), 1e-6);
+    }
+}
+
 /// Varlen prefill of several sequences (block tables scattered over a shuffled pool), then a
 /// decode step of one row each, then a prefill chunk continuing each sequence (new rows attend to
 /// a cached prefix): every step's output against the CPU. Lengths straddle the prefill kernel's

@@ -166,22 +166,28 @@ impl LlamaModel {
                 } else {
                     d.add_rms_norm(&mut ws.x, &ws.delta, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
                 }
-                d.matmul(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), &mut ws.qkv);
+                // A LoRA delta lands between a projection and what follows it; without one the
+                // device may fuse the two.
                 if lora_on {
+                    d.matmul(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), &mut ws.qkv);
                     lora.linear(d, li, LinearSite::Qkv, &ws.xn, m, &mut ws.qkv);
+                    d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
+                } else {
+                    d.matmul_rope_qk(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), &mut ws.qkv, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
                 }
-                d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
                 d.paged_attention(&ws.qkv, &attn_batch, kv, li, c.num_heads, scale, &mut ws.attn);
                 d.matmul(&ws.attn, m, &l.o, None, &mut ws.delta);
                 if lora_on {
                     lora.linear(d, li, LinearSite::O, &ws.attn, m, &mut ws.delta);
                 }
                 d.add_rms_norm(&mut ws.x, &ws.delta, &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
-                d.matmul(&ws.xn, m, &l.gate_up, None, &mut ws.gate_up);
                 if lora_on {
+                    d.matmul(&ws.xn, m, &l.gate_up, None, &mut ws.gate_up);
                     lora.linear(d, li, LinearSite::GateUp, &ws.xn, m, &mut ws.gate_up);
+                    d.silu_mul(&ws.gate_up, m, inter, &mut ws.act);
+                } else {
+                    d.matmul_silu_mul(&ws.xn, m, &l.gate_up, &mut ws.gate_up, &mut ws.act);
                 }
-                d.silu_mul(&ws.gate_up, m, inter, &mut ws.act);
                 d.matmul(&ws.act, m, &l.down, None, &mut ws.delta);
                 if lora_on {
                     lora.linear(d, li, LinearSite::Down, &ws.act, m, &mut ws.delta);

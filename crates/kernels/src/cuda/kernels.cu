@@ -384,6 +384,7 @@ GEMV(1) // the fallback for k % 8 != 0 (gemv1_bf16 below handles the rest)
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
 }
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -400,17 +401,54 @@ __device__ __forceinline__ float dot8(uint4 p, float4 a, float4 b, float acc) {
     return acc;
 }
 
-extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) gemv1_bf16(const float* __restrict__ x, const bf16_t* __restrict__ w,
-                                                                      const float* __restrict__ bias, float* __restrict__ y, int n, int k) {
+// What a warp does with its two dot products. Each saves a whole kernel (and the round trip of
+// its input through memory) on the latency-bound chain of a batch-1 decode step:
+// - GV_PLAIN: rows 2p and 2p + 1 of y.
+// - GV_SILU: rows p and inter + p of a fused [gate; up] weight; y[p] = silu(gate) · up, as silu_mul.
+// - GV_ROPE: over a fused qkv weight, the rotate-half pair (i, i + half) of a q or k head, rotated
+//   at the row's position exactly as rope_qk does; v rows in consecutive pairs as GV_PLAIN.
+#define GV_PLAIN 0
+#define GV_SILU 1
+#define GV_ROPE 2
+struct GemvEpilogue {
+    int inter;        // GV_SILU: half the weight's rows
+    int heads_qk;     // GV_ROPE: q + k heads
+    int head_dim;     // GV_ROPE
+    int max_pos;      // GV_ROPE: rows of the cos / sin tables
+    const u32* pos;   // GV_ROPE: the row's position
+    const float* cos_t;
+    const float* sin_t;
+};
+
+template <int MODE>
+__device__ __forceinline__ void gemv_rows(const GemvEpilogue& e, int p, int n, int& r0, int& r1, bool& live) {
+    if (MODE == GV_SILU) {
+        r0 = p, r1 = e.inter + p, live = p < e.inter;
+    } else if (MODE == GV_ROPE && p < e.heads_qk * (e.head_dim >> 1)) {
+        const int half = e.head_dim >> 1, h = p / half, i = p - h * half;
+        r0 = h * e.head_dim + i, r1 = r0 + half, live = true;
+    } else {
+        const int v0 = MODE == GV_ROPE ? e.heads_qk * e.head_dim + 2 * (p - e.heads_qk * (e.head_dim >> 1)) : 2 * p;
+        r0 = v0, r1 = v0 + 1, live = v0 < n;
+    }
+    r0 = min(r0, n - 1), r1 = min(r1, n - 1); // a dead warp still holds valid addresses
+}
+
+template <int MODE>
+__device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias,
+                                           float* __restrict__ y, int n, int k, const GemvEpilogue& e) {
     __shared__ uint4 ring[GV_WARPS][GV_STAGES][GV_ROWS][GV_U][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * GV_WARPS + warp) * GV_ROWS;
-    if (row0 >= n) return;
+    const int p = blockIdx.x * GV_WARPS + warp;
+    int rows[GV_ROWS];
+    bool live;
+    gemv_rows<MODE>(e, p, n, rows[0], rows[1], live);
+    if (!live) return;
     const int k8 = k >> 3;
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const uint4* wr[GV_ROWS];
 #pragma unroll
-    for (int r = 0; r < GV_ROWS; r++) wr[r] = reinterpret_cast<const uint4*>(w + (size_t)min(row0 + r, n - 1) * k);
+    for (int r = 0; r < GV_ROWS; r++) wr[r] = reinterpret_cast<const uint4*>(w + (size_t)rows[r] * k);
     const int per = 32 * GV_U; // 16-byte chunks of a row per stage
     const int stages = k8 / per;
     auto issue = [&](int s) {
@@ -446,12 +484,36 @@ extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) gemv1_bf16(const flo
 #pragma unroll
         for (int r = 0; r < GV_ROWS; r++) acc[r] = dot8(__ldg(wr[r] + i), a, b, acc[r]);
     }
+    float v[GV_ROWS];
 #pragma unroll
-    for (int r = 0; r < GV_ROWS; r++) {
-        const float s = warp_sum(acc[r]);
-        if (lane == 0 && row0 + r < n) y[row0 + r] = s + (bias ? bias[row0 + r] : 0.f);
+    for (int r = 0; r < GV_ROWS; r++) v[r] = warp_sum(acc[r]) + (bias ? bias[rows[r]] : 0.f);
+    if (lane == 0) {
+        if (MODE == GV_SILU) {
+            y[p] = silu_times(v[0], v[1]);
+        } else if (MODE == GV_ROPE && p < e.heads_qk * (e.head_dim >> 1)) {
+            const int half = e.head_dim >> 1, i = p - (p / half) * half;
+            const int pos = min((int)e.pos[0], e.max_pos - 1);
+            const float c = e.cos_t[(size_t)pos * half + i], sn = e.sin_t[(size_t)pos * half + i];
+            y[rows[0]] = v[0] * c - v[1] * sn;
+            y[rows[1]] = v[1] * c + v[0] * sn;
+        } else {
+            y[rows[0]] = v[0];
+            if (rows[1] > rows[0]) y[rows[1]] = v[1];
+        }
     }
 }
+
+#define GEMV1_KERNEL(NAME, MODE)                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                                                              \
+        NAME(const float* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias, float* __restrict__ y, int n, int k, \
+             int inter_or_heads_qk, int head_dim, int max_pos,                                                                               \
+             const u32* __restrict__ pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t) {                                \
+        const GemvEpilogue e = {inter_or_heads_qk, inter_or_heads_qk, head_dim, max_pos, pos, cos_t, sin_t};                                 \
+        gemv1_body<MODE>(x, w, bias, y, n, k, e);                                                                                             \
+    }
+GEMV1_KERNEL(gemv1_bf16, GV_PLAIN)
+GEMV1_KERNEL(gemv1_silu_bf16, GV_SILU)
+GEMV1_KERNEL(gemv1_rope_bf16, GV_ROPE)
 
 // ---- prefill attention on tensor cores ----------------------------------------------------------
 // Flash-attention style: a block takes FA_BM consecutive query rows of one sequence (16 per warp)

@@ -189,6 +189,8 @@ struct Kernels {
     prefill_attention: [sys::CUfunction; 4],
     /// Single-row GEMV for k % 8 == 0 (cp.async-streamed W), and the plain one for any k.
     gemv1_bf16: sys::CUfunction,
+    gemv1_silu_bf16: sys::CUfunction,
+    gemv1_rope_bf16: sys::CUfunction,
     gemv_bf16_any_k: sys::CUfunction,
 }
 
@@ -197,8 +199,9 @@ struct Kernels {
 /// (A multi-row GEMV measured slower than cuBLAS on the H200: 10.4 ms for a 4-row 8B step
 /// against 6.8 ms for 16 rows through cuBLAS.)
 const GEMV_MAX_M: usize = 1;
-/// Output rows per block of `gemv1_bf16` (`GV_ROWS` × `GV_WARPS` in kernels.cu).
-const GEMV1_ROWS_PER_BLOCK: usize = 8;
+/// Warps per block of the `gemv1_*` kernels, each computing two dot products (`GV_WARPS`,
+/// `GV_ROWS` in kernels.cu).
+const GEMV1_WARPS_PER_BLOCK: usize = 4;
 /// Largest head the attention kernels hold in registers (`MAX_DPL` × 32 in kernels.cu).
 const MAX_HEAD_DIM: usize = 256;
 /// cuBLAS workspace (NVIDIA's recommendation for Hopper).
@@ -316,12 +319,23 @@ pub struct CudaDevice {
     /// Counts everything queued that may write device memory (launches, copies, GEMMs): see
     /// `State::shadow`.
     touches: std::sync::atomic::AtomicU64,
+    /// Single-row GEMVs take RoPE and SiLU·mul into their epilogue (`QUIVER_CUDA_FUSE_EPILOGUES=0`: not).
+    fuse_epilogues: bool,
 }
 
 // SAFETY: the raw stream and function handles are used only under the device's discipline
 // (one stream, the context bound on every calling thread before use).
 unsafe impl Send for CudaDevice {}
 unsafe impl Sync for CudaDevice {}
+
+/// What a single-row GEMV does with its output (`GV_PLAIN`, `GV_SILU`, `GV_ROPE` in kernels.cu).
+enum Gemv1Epilogue<'a> {
+    Plain,
+    /// `y[i] = silu(gate_i) · up_i` over a fused `[gate; up]` weight: `Device::silu_mul` fused.
+    SiluMul,
+    /// RoPE on the q and k heads of a fused qkv output at the row's position: `Device::rope_qk` fused.
+    Rope { positions: &'a [u32], heads_qk: usize, table: &'a RopeTable },
+}
 
 /// Launch `f` with the given arguments (each passed by value, in order).
 macro_rules! launch {
@@ -451,6 +465,8 @@ impl CudaDevice {
             paged_attention: f("paged_attention")?,
             prefill_attention: [f("prefill_attention_32")?, f("prefill_attention_64")?, f("prefill_attention_96")?, f("prefill_attention_128")?],
             gemv1_bf16: f("gemv1_bf16")?,
+            gemv1_silu_bf16: f("gemv1_silu_bf16")?,
+            gemv1_rope_bf16: f("gemv1_rope_bf16")?,
             gemv_bf16_any_k: f("gemv_bf16_1")?,
         };
         for (i, &pf) in k.prefill_attention.iter().enumerate() {
@@ -489,7 +505,26 @@ impl CudaDevice {
         };
         let graphs = (profiler.is_none() && std::env::var_os("QUIVER_CUDA_GRAPHS").is_none_or(|v| v != "0")).then(|| Mutex::new(Graphs::default()));
         let pdl = maj >= 9 && std::env::var_os("QUIVER_CUDA_PDL").is_none_or(|v| v != "0");
-        Ok(CudaDevice { ordinal, ctx, stream, copy, blas, _blas_workspace: blas_workspace, k, _module: module, state: Mutex::new(state), name, profiler, split_gemm, graphs, graph_max_rows, pdl, touches: Default::default() })
+        let fuse_epilogues = std::env::var_os("QUIVER_CUDA_FUSE_EPILOGUES").is_none_or(|v| v != "0");
+        Ok(CudaDevice {
+            ordinal,
+            ctx,
+            stream,
+            copy,
+            blas,
+            _blas_workspace: blas_workspace,
+            k,
+            _module: module,
+            state: Mutex::new(state),
+            name,
+            profiler,
+            split_gemm,
+            graphs,
+            graph_max_rows,
+            pdl,
+            touches: Default::default(),
+            fuse_epilogues,
+        })
     }
 
     pub fn name(&self) -> &str {
@@ -539,6 +574,31 @@ impl CudaDevice {
             numAttrs: 1,
         };
         sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()).result()
+    }
+
+    /// A single-row GEMV by a bf16 weight with `k % 8 == 0`, its epilogue fused (kernels.cu:
+    /// `gemv1_body`).
+    fn gemv1(&self, w: &Weight, x: &Tensor, bias: Option<&Tensor>, y: &mut Tensor, epilogue: Gemv1Epilogue<'_>) {
+        let WeightData::Cuda(wb, DType::Bf16) = &w.data else { panic!("gemv1 takes a bf16 device weight") };
+        let (n, k) = (w.rows, w.cols);
+        debug_assert!(k.is_multiple_of(8));
+        let mut st = self.state.lock().unwrap();
+        let (f, warps, extra, head_dim, max_pos, pos, cos, sin) = match epilogue {
+            Gemv1Epilogue::Plain => (self.k.gemv1_bf16, n.div_ceil(2), 0, 0, 0, 0, 0, 0),
+            Gemv1Epilogue::SiluMul => (self.k.gemv1_silu_bf16, n / 2, n / 2, 0, 0, 0, 0, 0),
+            Gemv1Epilogue::Rope { positions, heads_qk, table } => {
+                let pos = self.meta_ptr(&mut st, &positions[..1]);
+                (self.k.gemv1_rope_bf16, n / 2, heads_qk, table.head_dim, table.max_pos, pos, buf(&table.cos), buf(&table.sin))
+            }
+        };
+        let blocks = warps.div_ceil(GEMV1_WARPS_PER_BLOCK);
+        launch!(self, f, (blocks as u32, 1, 1), (32 * GEMV1_WARPS_PER_BLOCK as u32, 1, 1);
+            buf(x), wb.ptr, bias.map(buf).unwrap_or(0), buf(y), n as i32, k as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin);
+    }
+
+    /// Whether a fused single-row GEMV applies: one row, a bf16 weight, `k % 8 == 0`.
+    fn gemv1_fits(&self, m: usize, w: &Weight) -> bool {
+        self.fuse_epilogues && m == 1 && w.cols.is_multiple_of(8) && matches!(w.data, WeightData::Cuda(_, DType::Bf16))
     }
 
     /// Whether a multi-row bf16 GEMM over an `n × k` weight takes the hi + lo split of its input.
@@ -834,7 +894,7 @@ impl Device for CudaDevice {
     }
 
     fn check_head_dim(&self, head_dim: usize) -> Result<(), String> {
-        if head_dim == 0 || head_dim > MAX_HEAD_DIM || head_dim % 2 != 0 {
+        if head_dim == 0 || head_dim > MAX_HEAD_DIM || !head_dim.is_multiple_of(2) {
             return Err(format!("head_dim {head_dim} is not supported on CUDA (even, at most {MAX_HEAD_DIM})"));
         }
         Ok(())
@@ -942,10 +1002,10 @@ impl Device for CudaDevice {
         let WeightData::Cuda(wb, dtype) = &w.data else { panic!("CUDA matmul given a host weight (load it with Device::load_weight)") };
         match dtype {
             DType::Bf16 if m <= GEMV_MAX_M => {
-                let bp = bias.map(buf).unwrap_or(0);
                 if k.is_multiple_of(8) {
-                    launch!(self, self.k.gemv1_bf16, (n.div_ceil(GEMV1_ROWS_PER_BLOCK) as u32, 1, 1), (128, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32);
+                    self.gemv1(w, x, bias, y, Gemv1Epilogue::Plain);
                 } else {
+                    let bp = bias.map(buf).unwrap_or(0);
                     launch!(self, self.k.gemv_bf16_any_k, (n.div_ceil(8) as u32, 1, 1), (256, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32);
                 }
                 self.mark("matmul gemv");
@@ -1045,6 +1105,26 @@ impl Device for CudaDevice {
         launch!(self, self.k.rope_qk, (rows as u32, 1, 1), row_threads((n_heads + n_kv_heads) * t.rotary_dim / 2);
             buf(qkv), pp, buf(&t.cos), buf(&t.sin), (n_heads + n_kv_heads) as i32, t.head_dim as i32, (t.rotary_dim / 2) as i32, width as i32, t.max_pos as i32);
         self.mark("rope");
+    }
+
+    fn matmul_silu_mul(&self, x: &Tensor, m: usize, w: &Weight, gate_up: &mut Tensor, out: &mut Tensor) {
+        self.bind();
+        if !self.gemv1_fits(m, w) {
+            self.matmul(x, m, w, None, gate_up);
+            return self.silu_mul(gate_up, m, w.rows / 2, out);
+        }
+        self.gemv1(w, x, None, out, Gemv1Epilogue::SiluMul);
+        self.mark("matmul gemv + silu_mul");
+    }
+
+    fn matmul_rope_qk(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, qkv: &mut Tensor, positions: &[u32], n_heads: usize, n_kv_heads: usize, table: &RopeTable) {
+        self.bind();
+        if !self.gemv1_fits(m, w) || table.rotary_dim != table.head_dim {
+            self.matmul(x, m, w, bias, qkv);
+            return self.rope_qk(qkv, m, positions, n_heads, n_kv_heads, table);
+        }
+        self.gemv1(w, x, bias, qkv, Gemv1Epilogue::Rope { positions, heads_qk: n_heads + n_kv_heads, table });
+        self.mark("matmul gemv + rope");
     }
 
     fn silu_mul(&self, gate_up: &Tensor, rows: usize, inter: usize, out: &mut Tensor) {
