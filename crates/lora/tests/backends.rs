@@ -59,7 +59,7 @@ fn check_all(mgr: &LoraManager, rng: &mut StdRng, ids: &[u32], ctx: &str) -> usi
         let want = run("reference", &v, g, input, &y0);
         let serial = pool(1).install(|| run("chunked", &v, g, input, &y0));
         for b in BACKENDS {
-            for threads in [1, 3] {
+            for threads in [1, 2, 3] {
                 let got = pool(threads).install(|| run(b, &v, g, input, &y0));
                 assert_close(&format!("{ctx}: {b} {what} (m={m}, {threads} threads)"), &got, &want, &y0);
                 // Bit-identical across backends and thread splits: `auto` may switch backend

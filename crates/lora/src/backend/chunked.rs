@@ -29,8 +29,56 @@ impl LoraBackend for ChunkedBackend {
         }
         let threads = rayon::current_num_threads();
         let parts = if threads > 1 && group.adapter_rows >= PARALLEL_MIN_ROWS { threads } else { 1 };
-        apply_parts(site, group, input, y, scratch, parts);
+        if parts > 1 && group.num_chunks() >= parts {
+            apply_row_blocks(site, group, input, y, scratch, parts);
+        } else {
+            apply_parts(site, group, input, y, scratch, parts);
+        }
     }
+}
+
+/// With at least as many chunks as threads: the permuted rows cut into `parts` equal blocks, each
+/// task running shrink then expand over the pieces of the chunks inside its block. One fork-join
+/// per call instead of two, and each thread reads only the adapters of its own rows (a chunk cut
+/// by a block boundary is read by both neighbours), where the column split makes every thread
+/// read a share of every adapter. No split changes how any element is computed.
+fn apply_row_blocks(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y: &mut [f32], scratch: &mut Scratch, parts: usize) {
+    let (din, out) = (site.in_dim, site.out_dim);
+    let ld = site.n_slices * site.max_rank;
+    let total = group.adapter_rows;
+    ensure(&mut scratch.shrink, total * ld);
+    if matches!(input, LoraInput::Dense(_)) {
+        ensure(&mut scratch.gathered, total * din);
+    }
+    let Scratch { shrink, gathered } = scratch;
+    let (sp, gp, yp) = (SyncPtr(shrink.as_mut_ptr()), SyncPtr(gathered.as_mut_ptr()), SyncPtr(y.as_mut_ptr()));
+    let block = total.div_ceil(parts);
+    (0..parts).into_par_iter().for_each(|b| {
+        let (sp, gp, yp) = (sp, gp, yp);
+        let (lo, hi) = (b * block, ((b + 1) * block).min(total));
+        // First chunk that ends after `lo`.
+        let first = group.chunk_end[..group.num_chunks()].partition_point(|&e| (e as usize) <= lo);
+        for c in first..group.num_chunks() {
+            let (c0, c1) = (group.chunk_start[c] as usize, group.chunk_end[c] as usize);
+            if c0 >= hi {
+                break;
+            }
+            let w = group.chunk_slot[c] as usize;
+            if site.ranks[w] == 0 {
+                continue;
+            }
+            let (p0, p1) = (c0.max(lo), c1.min(hi));
+            let rows = &group.perm[p0..p1];
+            // SAFETY: permutation positions p0..p1 lie in this task's block: their shrink and
+            // gathered rows, and the y rows they list (perm is a permutation), are its alone.
+            let (sh, g) = unsafe {
+                let g = if matches!(input, LoraInput::Dense(_)) { std::slice::from_raw_parts_mut(gp.0.add(p0 * din), (p1 - p0) * din) } else { &mut [][..] };
+                (std::slice::from_raw_parts_mut(sp.0.add(p0 * ld), (p1 - p0) * ld), g)
+            };
+            shrink_rows(site, w, input, Rows::Listed(rows), (0, site.n_slices * site.ranks[w] as usize), g, sh);
+            unsafe { expand_rows(site, w, sh, p1 - p0, yp.0, out, Some(rows), (0, 1)) };
+        }
+    });
 }
 
 /// Every chunk's work split by *columns* into `parts` tasks: first the shrink (columns of
