@@ -100,6 +100,6 @@ grep -E "test result|panicked" "$LOGS/kernel-tests.log" "$LOGS/parity-tests.log"
 for f in parity-tests; do echo "--- $f"; grep -hE "max \|Δlogprob\| per prompt|requests identical" "$LOGS/$f.log"; done
 tail -n 8 "$LOGS/bench-8b.log"
 grep -h "gemv bandwidth" "$LOGS/kernel-tests.log"
-python3 scripts/gpu_models.py summary "$DATA" 2>&1 | tee "$OUT/summary.txt"
+[ -f "$DATA/bench-llama8b.json" ] && python3 scripts/gpu_models.py summary "$DATA" 2>&1 | tee "$OUT/summary.txt"
 tar -C "$DATA" -czf "$OUT/logs.tgz" logs
 exit $status

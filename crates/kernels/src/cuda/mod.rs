@@ -582,12 +582,11 @@ impl CudaDevice {
         let WeightData::Cuda(wb, DType::Bf16) = &w.data else { panic!("gemv1 takes a bf16 device weight") };
         let (n, k) = (w.rows, w.cols);
         debug_assert!(k.is_multiple_of(8));
-        let mut st = self.state.lock().unwrap();
         let (f, warps, extra, head_dim, max_pos, pos, cos, sin) = match epilogue {
             Gemv1Epilogue::Plain => (self.k.gemv1_bf16, n.div_ceil(2), 0, 0, 0, 0, 0, 0),
             Gemv1Epilogue::SiluMul => (self.k.gemv1_silu_bf16, n / 2, n / 2, 0, 0, 0, 0, 0),
             Gemv1Epilogue::Rope { positions, heads_qk, table } => {
-                let pos = self.meta_ptr(&mut st, &positions[..1]);
+                let pos = self.meta_ptr(&mut self.state.lock().unwrap(), &positions[..1]);
                 (self.k.gemv1_rope_bf16, n / 2, heads_qk, table.head_dim, table.max_pos, pos, buf(&table.cos), buf(&table.sin))
             }
         };

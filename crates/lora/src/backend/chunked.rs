@@ -19,6 +19,46 @@ struct SyncPtr(*mut f32);
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 
+/// Scratch laid out by position in the permutation, which parallel tasks split into disjoint
+/// regions: shrink rows (`n·R` wide) and, for dense input, `copies` regions of gathered input
+/// rows (one per column part, so parts of one chunk never share a region).
+#[derive(Clone, Copy)]
+struct PermScratch {
+    shrink: SyncPtr,
+    gathered: Option<SyncPtr>,
+    ld: usize,
+    din: usize,
+    total: usize,
+}
+
+impl PermScratch {
+    fn new(scratch: &mut Scratch, site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, copies: usize) -> PermScratch {
+        let (ld, din, total) = (site.n_slices * site.max_rank, site.in_dim, group.adapter_rows);
+        ensure(&mut scratch.shrink, total * ld);
+        let dense = matches!(input, LoraInput::Dense(_));
+        if dense {
+            ensure(&mut scratch.gathered, copies * total * din);
+        }
+        let gathered = dense.then_some(SyncPtr(scratch.gathered.as_mut_ptr()));
+        PermScratch { shrink: SyncPtr(scratch.shrink.as_mut_ptr()), gathered, ld, din, total }
+    }
+
+    /// The shrink rows and gathered region `copy` of permutation positions `lo..hi`.
+    ///
+    /// # Safety
+    /// The caller is the only one touching those rows (and that region) while it holds them.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn rows(&self, copy: usize, lo: usize, hi: usize) -> (&mut [f32], &mut [f32]) {
+        let g = match self.gathered {
+            // SAFETY: sized for `copies × total` rows in `new`; exclusive per the contract.
+            Some(g) => unsafe { std::slice::from_raw_parts_mut(g.0.add((copy * self.total + lo) * self.din), (hi - lo) * self.din) },
+            None => &mut [][..],
+        };
+        // SAFETY: sized for `total` rows in `new`; exclusive per the contract.
+        (unsafe { std::slice::from_raw_parts_mut(self.shrink.0.add(lo * self.ld), (hi - lo) * self.ld) }, g)
+    }
+}
+
 impl LoraBackend for ChunkedBackend {
     fn name(&self) -> &'static str {
         "chunked"
@@ -43,18 +83,13 @@ impl LoraBackend for ChunkedBackend {
 /// by a block boundary is read by both neighbours), where the column split makes every thread
 /// read a share of every adapter. No split changes how any element is computed.
 fn apply_row_blocks(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y: &mut [f32], scratch: &mut Scratch, parts: usize) {
-    let (din, out) = (site.in_dim, site.out_dim);
-    let ld = site.n_slices * site.max_rank;
+    let out = site.out_dim;
     let total = group.adapter_rows;
-    ensure(&mut scratch.shrink, total * ld);
-    if matches!(input, LoraInput::Dense(_)) {
-        ensure(&mut scratch.gathered, total * din);
-    }
-    let Scratch { shrink, gathered } = scratch;
-    let (sp, gp, yp) = (SyncPtr(shrink.as_mut_ptr()), SyncPtr(gathered.as_mut_ptr()), SyncPtr(y.as_mut_ptr()));
+    let ps = PermScratch::new(scratch, site, group, input, 1);
+    let yp = SyncPtr(y.as_mut_ptr());
     let block = total.div_ceil(parts);
     (0..parts).into_par_iter().for_each(|b| {
-        let (sp, gp, yp) = (sp, gp, yp);
+        let (ps, yp) = (ps, yp);
         let (lo, hi) = (b * block, ((b + 1) * block).min(total));
         // First chunk that ends after `lo`.
         let first = group.chunk_end[..group.num_chunks()].partition_point(|&e| (e as usize) <= lo);
@@ -71,10 +106,7 @@ fn apply_row_blocks(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'
             let rows = &group.perm[p0..p1];
             // SAFETY: permutation positions p0..p1 lie in this task's block: their shrink and
             // gathered rows, and the y rows they list (perm is a permutation), are its alone.
-            let (sh, g) = unsafe {
-                let g = if matches!(input, LoraInput::Dense(_)) { std::slice::from_raw_parts_mut(gp.0.add(p0 * din), (p1 - p0) * din) } else { &mut [][..] };
-                (std::slice::from_raw_parts_mut(sp.0.add(p0 * ld), (p1 - p0) * ld), g)
-            };
+            let (sh, g) = unsafe { ps.rows(0, p0, p1) };
             shrink_rows(site, w, input, Rows::Listed(rows), (0, site.n_slices * site.ranks[w] as usize), g, sh);
             unsafe { expand_rows(site, w, sh, p1 - p0, yp.0, out, Some(rows), (0, 1)) };
         }
@@ -87,17 +119,11 @@ fn apply_row_blocks(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'
 /// of them: at decode sizes the weights, not the arithmetic, are the cost. With one part it is
 /// a plain loop over the chunks. No split changes how any element is computed.
 fn apply_parts(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y: &mut [f32], scratch: &mut Scratch, parts: usize) {
-    let (din, out) = (site.in_dim, site.out_dim);
+    let out = site.out_dim;
     let ld = site.n_slices * site.max_rank;
-    let total = group.adapter_rows;
-    // Scratch is laid out by position in the permutation (chunks own disjoint rows); each part
-    // of a chunk gathers the chunk's input rows into its own region.
-    ensure(&mut scratch.shrink, total * ld);
-    if matches!(input, LoraInput::Dense(_)) {
-        ensure(&mut scratch.gathered, parts * total * din);
-    }
-    let Scratch { shrink, gathered } = scratch;
-    let (sp, gp, yp) = (SyncPtr(shrink.as_mut_ptr()), SyncPtr(gathered.as_mut_ptr()), SyncPtr(y.as_mut_ptr()));
+    // Chunks own disjoint rows; each part of a chunk gathers the chunk's input rows into its own region.
+    let ps = PermScratch::new(scratch, site, group, input, parts);
+    let yp = SyncPtr(y.as_mut_ptr());
     // Task t: part t % parts of chunk t / parts; None when the chunk's slot has rank 0 here.
     let task = |t: usize| {
         let (c, part) = (t / parts, t % parts);
@@ -108,14 +134,11 @@ fn apply_parts(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y
     let shrink_task = |t: usize| {
         let Some((part, w, lo, hi)) = task(t) else { return };
         let cols = part_range(site.n_slices * site.ranks[w] as usize, (part, parts), 1);
-        let (sp, gp) = (sp, gp);
+        #[allow(clippy::redundant_locals)]
+        let ps = ps;
         // SAFETY: shrink rows lo..hi, columns `cols`, are this task's alone (chunks own disjoint
-        // rows, parts disjoint columns); the gathered region (part, lo..hi) likewise. Both
-        // buffers were sized above.
-        let (sh, g) = unsafe {
-            let g = if matches!(input, LoraInput::Dense(_)) { std::slice::from_raw_parts_mut(gp.0.add((part * total + lo) * din), (hi - lo) * din) } else { &mut [][..] };
-            (std::slice::from_raw_parts_mut(sp.0.add(lo * ld), (hi - lo) * ld), g)
-        };
+        // rows, parts disjoint columns); the gathered region (part, lo..hi) likewise.
+        let (sh, g) = unsafe { ps.rows(part, lo, hi) };
         shrink_rows(site, w, input, Rows::Listed(&group.perm[lo..hi]), cols, g, sh);
     };
     let expand_task = |t: usize, shrink: &[f32]| {
@@ -131,10 +154,11 @@ fn apply_parts(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y
     let tasks = group.num_chunks() * parts;
     if parts == 1 {
         (0..tasks).for_each(shrink_task);
+        let shrink = &scratch.shrink[..];
         (0..tasks).for_each(|t| expand_task(t, shrink));
     } else {
         (0..tasks).into_par_iter().for_each(shrink_task);
-        let shrink = &*shrink;
+        let shrink = &scratch.shrink[..];
         (0..tasks).into_par_iter().for_each(|t| expand_task(t, shrink));
     }
 }
