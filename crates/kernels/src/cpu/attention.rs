@@ -1,17 +1,234 @@
 //! Causal attention over a paged KV cache, varlen: every new token row attends to all cached
 //! positions of its own sequence up to and including its own position.
+//!
+//! The unit of work is a (sequence, kv head) pair and its *queries*: the sequence's new rows ×
+//! the q heads that share the kv head, in (row, head) order. Register tiles of up to `MR` queries
+//! go over the keys four at a time with the GEMM's register tile, so a K row is loaded once per
+//! tile instead of once per query (GQA groups in decode, rows × heads in prefill); then each
+//! query's softmax; then `o = Σ_t p_t·v_t` with the tile's accumulators in registers, a V row
+//! loaded once per tile.
+//!
+//! **Invariant: a query's output depends only on its q, the K/V of its context and the
+//! context's length, never on the tile it shares.** Scores are GEMM tile elements (whose
+//! accumulation order is independent of the tile by the GEMM's own invariant); the softmax runs
+//! per query; the weighted sum adds `p_t·v_t` in position order, and positions past a query's
+//! context (a prefill tile spans rows at several positions) carry weight exactly 0, which leaves
+//! an accumulator unchanged. So a row gets bit-identical attention in prefill and in decode, in
+//! any batch: what the exact replay of a preempted request relies on.
 
+use super::gemm::{tile, Portable, Simd, NR};
+use super::simd::{exp_shift_sum, isa, Isa};
 use crate::{AttnBatch, KvStorage, Tensor};
+use rayon::prelude::*;
 use std::cell::RefCell;
 
 thread_local! {
+    /// Scores of one tile, `[MR][ctx]`.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Tasks before each sequence (prefix sums), reused across steps.
+    static TASKS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Index of the sequence owning token row `row` (seq_starts is a CSR offset array).
-fn seq_of_row(seq_starts: &[u32], row: usize) -> usize {
-    // partition_point gives the first start > row; the owner is the one before it.
-    seq_starts.partition_point(|&s| s as usize <= row) - 1
+/// Most queries per register tile (the GEMM's widest row tile).
+const MR: usize = 6;
+/// Tiles per parallel task: enough work to pay for a task, small enough to balance a single
+/// long prefill over the threads.
+const TILES_PER_TASK: usize = 8;
+
+/// One (sequence, kv head)'s view of the step.
+struct Group<'a> {
+    qkv: &'a [f32],
+    width: usize,
+    hd: usize,
+    /// q heads per kv head.
+    group: usize,
+    /// First q head of this kv head.
+    head0: usize,
+    n_heads: usize,
+    kc: &'a [f32],
+    vc: &'a [f32],
+    table: &'a [u32],
+    bs: usize,
+    kvw: usize,
+    /// This kv head's offset inside a cached K/V row.
+    koff: usize,
+    scale: f32,
+    /// The sequence's first token row and the positions of all rows.
+    row0: usize,
+    positions: &'a [u32],
+}
+
+impl Group<'_> {
+    /// Token row, q head of the sequence's query `i`.
+    fn query(&self, i: usize) -> (usize, usize) {
+        (self.row0 + i / self.group, self.head0 + i % self.group)
+    }
+    /// Offset of position `t`'s row in the K/V caches.
+    #[inline(always)]
+    fn kv_at(&self, t: usize) -> usize {
+        (self.table[t / self.bs] as usize * self.bs + t % self.bs) * self.kvw + self.koff
+    }
+}
+
+/// Queries `q0..q0 + R` of `g`, written to `out` (row stride `n_heads·hd`).
+///
+/// # Safety
+/// The queries' output rows are this call's alone; the CPU supports `S`.
+#[inline(always)]
+unsafe fn tile_queries<S: Simd, const R: usize>(g: &Group<'_>, q0: usize, out: *mut f32, scores: &mut Vec<f32>) {
+    let hd = g.hd;
+    let mut xs = [std::ptr::null::<f32>(); R];
+    let mut ctx = [0usize; R];
+    for i in 0..R {
+        let (r, h) = g.query(q0 + i);
+        xs[i] = g.qkv[r * g.width + h * hd..].as_ptr();
+        ctx[i] = g.positions[r] as usize + 1;
+    }
+    let cmax = ctx.iter().copied().max().unwrap_or(0);
+    if scores.len() < R * cmax {
+        scores.resize(R * cmax, 0.0);
+    }
+    let sc = &mut scores[..R * cmax];
+    // Scores, four keys at a time (the last group repeats its last key and drops the extras).
+    let mut t0 = 0;
+    while t0 < cmax {
+        let ws: [*const f32; NR] = std::array::from_fn(|j| g.kc[g.kv_at((t0 + j).min(cmax - 1))..].as_ptr());
+        // SAFETY: q rows and K rows hold hd readable floats; the CPU supports S (caller).
+        let d = unsafe { tile::<S, R, f32>(xs, ws, hd) };
+        for (i, row) in d.iter().enumerate() {
+            for (j, &v) in row.iter().enumerate().take(cmax - t0) {
+                sc[i * cmax + t0 + j] = v * g.scale;
+            }
+        }
+        t0 += NR;
+    }
+    // Softmax per query; weights past its context are 0.
+    for (i, &c) in ctx.iter().enumerate() {
+        let s = &mut sc[i * cmax..(i + 1) * cmax];
+        let max = s[..c].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let inv = 1.0 / exp_shift_sum(&mut s[..c], max);
+        s[..c].iter_mut().for_each(|p| *p *= inv);
+        s[c..].fill(0.0);
+    }
+    // o = Σ_t p_t · v_t: blocks of four vectors of the head dim, then single vectors, then
+    // single elements.
+    let ld = g.n_heads * hd;
+    let orows: [*mut f32; R] = std::array::from_fn(|i| {
+        let (r, h) = g.query(q0 + i);
+        // SAFETY: the caller owns these output rows.
+        unsafe { out.add(r * ld + h * hd) }
+    });
+    let mut d0 = 0;
+    while d0 + 4 * S::L <= hd {
+        // SAFETY: d0 + 4·L ≤ hd: inside every V row and output row.
+        unsafe { weighted_sum::<S, R, 4>(g, sc, cmax, d0, orows) };
+        d0 += 4 * S::L;
+    }
+    while d0 + S::L <= hd {
+        // SAFETY: as above.
+        unsafe { weighted_sum::<S, R, 1>(g, sc, cmax, d0, orows) };
+        d0 += S::L;
+    }
+    for (i, &o) in orows.iter().enumerate() {
+        for d in d0..hd {
+            let mut a = 0.0f32;
+            for t in 0..cmax {
+                a = sc[i * cmax + t].mul_add(g.vc[g.kv_at(t) + d], a);
+            }
+            // SAFETY: d < hd, inside the caller's output row.
+            unsafe { *o.add(d) = a };
+        }
+    }
+}
+
+/// Columns `d0..d0 + C·L` of `o_i = Σ_{t < cmax} p[i·cmax + t] · v_t` for the tile's `R` queries,
+/// accumulators in registers, each V vector loaded once for the tile.
+///
+/// # Safety
+/// `d0 + C·L ≤ hd`; `orows` are the caller's; the CPU supports `S`.
+#[inline(always)]
+unsafe fn weighted_sum<S: Simd, const R: usize, const C: usize>(g: &Group<'_>, p: &[f32], cmax: usize, d0: usize, orows: [*mut f32; R]) {
+    unsafe {
+        let mut acc = [[S::zero(); C]; R];
+        for t in 0..cmax {
+            let v = g.vc[g.kv_at(t) + d0..].as_ptr();
+            let mut vv = [S::zero(); C];
+            for (c, x) in vv.iter_mut().enumerate() {
+                *x = S::load(v.add(c * S::L));
+            }
+            for i in 0..R {
+                let w = S::splat(p[i * cmax + t]);
+                for c in 0..C {
+                    acc[i][c] = S::madd(w, vv[c], acc[i][c]);
+                }
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            for (c, &v) in a.iter().enumerate() {
+                S::store(orows[i].add(d0 + c * S::L), v);
+            }
+        }
+    }
+}
+
+/// Queries `q0..q1` of `g`, in tiles of up to `MR`. No closures in here: a closure does not
+/// inherit the caller's target features, and the vector helpers stop inlining inside it.
+///
+/// # Safety
+/// See `tile_queries`.
+#[inline(always)]
+unsafe fn run_queries<S: Simd>(g: &Group<'_>, q0: usize, q1: usize, out: *mut f32, sc: &mut Vec<f32>) {
+    let mut q = q0;
+    while q < q1 {
+        let r = MR.min(q1 - q);
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match r {
+                1 => tile_queries::<S, 1>(g, q, out, sc),
+                2 => tile_queries::<S, 2>(g, q, out, sc),
+                3 => tile_queries::<S, 3>(g, q, out, sc),
+                4 => tile_queries::<S, 4>(g, q, out, sc),
+                5 => tile_queries::<S, 5>(g, q, out, sc),
+                _ => tile_queries::<S, 6>(g, q, out, sc),
+            }
+        }
+        q += r;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86_entry {
+    use super::super::gemm::x86::{Avx2, Avx512};
+    use super::Group;
+    /// # Safety
+    /// The CPU has AVX-512F; see `tile_queries`.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn avx512(g: &Group<'_>, q0: usize, q1: usize, out: *mut f32, sc: &mut Vec<f32>) {
+        unsafe { super::run_queries::<Avx512>(g, q0, q1, out, sc) }
+    }
+    /// # Safety
+    /// The CPU has AVX2 and FMA; see `tile_queries`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn avx2(g: &Group<'_>, q0: usize, q1: usize, out: *mut f32, sc: &mut Vec<f32>) {
+        unsafe { super::run_queries::<Avx2>(g, q0, q1, out, sc) }
+    }
+}
+
+/// # Safety
+/// See `tile_queries`; `isa` is what this CPU supports.
+unsafe fn run(isa: Isa, g: &Group<'_>, q0: usize, q1: usize, out: *mut f32) {
+    SCORES.with(|sc| {
+        let sc = &mut sc.borrow_mut();
+        unsafe {
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => x86_entry::avx512(g, q0, q1, out, sc),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => x86_entry::avx2(g, q0, q1, out, sc),
+                _ => run_queries::<Portable>(g, q0, q1, out, sc),
+            }
+        }
+    })
 }
 
 pub(super) fn paged_attention(qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorage, layer: usize, n_heads: usize, scale: f32, out: &mut Tensor) {
@@ -39,25 +256,60 @@ pub(super) fn paged_attention(qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorag
         }
     }
 
-    let kc = kv.k[layer].as_cpu();
-    let vc = kv.v[layer].as_cpu();
+    let (kc, vc) = (kv.k[layer].as_cpu(), kv.v[layer].as_cpu());
     let group = n_heads / nkv;
     let out = &mut out.as_cpu_mut()[..rows * n_heads * hd];
+    let outp = super::SyncPtr(out.as_mut_ptr() as *const f32);
+    let isa = isa();
+    let grp = |s: usize, g: usize| Group {
+        qkv,
+        width,
+        hd,
+        group,
+        head0: g * group,
+        n_heads,
+        kc,
+        vc,
+        table: &b.block_tables[s * b.block_table_stride..],
+        bs,
+        kvw,
+        koff: g * hd,
+        scale,
+        row0: b.seq_starts[s] as usize,
+        positions: b.positions,
+    };
+    let queries = |s: usize| (b.seq_starts[s + 1] - b.seq_starts[s]) as usize * group;
     // Work is proportional to the context each row attends to, not to the output size.
     let work = b.positions.iter().map(|&p| p as usize + 1).sum::<usize>() * n_heads * hd;
-    super::for_rows_if(work >= super::PAR_MIN_ELEMS, out, hd, |idx, o| {
-        let (r, h) = (idx / n_heads, idx % n_heads);
-        let s = seq_of_row(b.seq_starts, r);
-        let table = &b.block_tables[s * b.block_table_stride..];
-        let ctx = b.positions[r] as usize + 1;
-        let kvh = h / group;
-        let q = &qkv[r * width + h * hd..r * width + (h + 1) * hd];
-        SCORES.with(|sc| {
-            let mut sc = sc.borrow_mut();
-            if sc.len() < ctx {
-                sc.resize(ctx, 0.0);
+    if work < super::PAR_MIN_ELEMS {
+        for s in 0..nseq {
+            for g in 0..nkv {
+                // SAFETY: one thread writes every output row; the ISA was detected.
+                unsafe { run(isa, &grp(s, g), 0, queries(s), outp.0 as *mut f32) };
             }
-            super::simd::attend_head(q, kc, vc, table, bs, kvw, kvh * hd, scale, &mut sc[..ctx], o);
+        }
+        return;
+    }
+    // Tasks: per sequence and kv head, blocks of TILES_PER_TASK tiles of its queries.
+    let per_task = MR * TILES_PER_TASK;
+    TASKS.with(|t| {
+        let mut before = t.borrow_mut();
+        before.clear();
+        let mut n = 0u32;
+        for s in 0..nseq {
+            before.push(n);
+            n += (nkv * queries(s).div_ceil(per_task)) as u32;
+        }
+        let before = &before[..];
+        (0..n as usize).into_par_iter().for_each(|task| {
+            let outp = outp;
+            let s = before.partition_point(|&b| b as usize <= task) - 1;
+            let blocks = queries(s).div_ceil(per_task);
+            let (g, blk) = ((task - before[s] as usize) / blocks, (task - before[s] as usize) % blocks);
+            let q0 = blk * per_task;
+            // SAFETY: tasks own disjoint (row, head) outputs: sequences own their rows, kv
+            // heads their q heads, blocks their queries. The ISA was detected.
+            unsafe { run(isa, &grp(s, g), q0, (q0 + per_task).min(queries(s)), outp.0 as *mut f32) };
         });
     });
 }

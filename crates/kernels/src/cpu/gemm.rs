@@ -30,7 +30,7 @@ use std::cell::RefCell;
 
 /// One instruction set's vector of `L` f32 lanes and the few operations the kernel needs.
 /// `reduce4` must sum each vector's lanes by the halving tree of [`reduce_tree`].
-trait Simd {
+pub(super) trait Simd {
     type V: Copy;
     const L: usize;
     /// Rows of x per register tile (× `NR` rows of W).
@@ -40,6 +40,8 @@ trait Simd {
     unsafe fn load_bf16(p: *const bf16) -> Self::V;
     /// `a · b + c` per lane.
     unsafe fn madd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    unsafe fn splat(v: f32) -> Self::V;
+    unsafe fn store(p: *mut f32, v: Self::V);
     /// Hint that the cache line at `p` will be read soon (never faults, any address).
     #[inline(always)]
     unsafe fn prefetch(_p: *const u8) {}
@@ -47,7 +49,7 @@ trait Simd {
 }
 
 /// Rows of W per register tile, on every instruction set.
-const NR: usize = 4;
+pub(super) const NR: usize = 4;
 
 /// Sum of the lanes by a fixed halving tree: lane l += lane l + L/2, then l + L/4, …, 1.
 #[inline(always)]
@@ -64,7 +66,7 @@ fn reduce_tree<const L: usize>(mut v: [f32; L]) -> f32 {
 
 /// Plain Rust, for targets without AVX2: 8 lanes, separate multiply and add (a software FMA
 /// would be slow).
-struct Portable;
+pub(super) struct Portable;
 impl Simd for Portable {
     type V = [f32; 8];
     const L: usize = 8;
@@ -87,17 +89,25 @@ impl Simd for Portable {
         std::array::from_fn(|l| a[l] * b[l] + c[l])
     }
     #[inline(always)]
+    unsafe fn splat(v: f32) -> Self::V {
+        [v; 8]
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self::V) {
+        unsafe { (p as *mut [f32; 8]).write_unaligned(v) }
+    }
+    #[inline(always)]
     unsafe fn reduce4(v: [Self::V; NR]) -> [f32; NR] {
         v.map(reduce_tree)
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::{bf16, Simd, NR};
     use std::arch::x86_64::*;
 
-    pub struct Avx512;
+    pub(in crate::cpu) struct Avx512;
     impl Simd for Avx512 {
         type V = __m512;
         const L: usize = 16;
@@ -121,6 +131,16 @@ mod x86 {
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn madd(a: __m512, b: __m512, c: __m512) -> __m512 {
             _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        unsafe fn splat(v: f32) -> __m512 {
+            _mm512_set1_ps(v)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            unsafe { _mm512_storeu_ps(p, v) }
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx2,fma")]
@@ -148,7 +168,7 @@ mod x86 {
         }
     }
 
-    pub struct Avx2;
+    pub(in crate::cpu) struct Avx2;
     impl Simd for Avx2 {
         type V = __m256;
         const L: usize = 8;
@@ -172,6 +192,16 @@ mod x86 {
         #[target_feature(enable = "avx2,fma")]
         unsafe fn madd(a: __m256, b: __m256, c: __m256) -> __m256 {
             _mm256_fmadd_ps(a, b, c)
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn splat(v: f32) -> __m256 {
+            _mm256_set1_ps(v)
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            unsafe { _mm256_storeu_ps(p, v) }
         }
         #[inline]
         #[target_feature(enable = "avx2,fma")]
@@ -200,7 +230,7 @@ mod x86 {
 }
 
 /// An element type of W: f32, or bf16 widened to f32 on load.
-trait WElem: Copy + Default + Send + Sync + 'static {
+pub(super) trait WElem: Copy + Default + Send + Sync + 'static {
     /// # Safety
     /// `p..p + S::L` must be readable and the CPU must support `S`.
     unsafe fn load<S: Simd>(p: *const Self) -> S::V;
@@ -225,7 +255,7 @@ impl WElem for bf16 {
 /// # Safety
 /// Every `xs[i]` and `ws[j]` must point at `k` readable elements; the CPU must support `S`.
 #[inline(always)]
-unsafe fn tile<S: Simd, const R: usize, T: WElem>(xs: [*const f32; R], ws: [*const T; NR], k: usize) -> [[f32; NR]; R] {
+pub(super) unsafe fn tile<S: Simd, const R: usize, T: WElem>(xs: [*const f32; R], ws: [*const T; NR], k: usize) -> [[f32; NR]; R] {
     unsafe {
         let full = k / S::L * S::L;
         let mut acc = [[S::zero(); NR]; R];

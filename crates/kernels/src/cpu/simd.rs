@@ -236,30 +236,6 @@ fn exp_shift_sum_body(s: &mut [f32], max: f32) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// Attention of one query head over `scores.len()` cached positions of a paged cache:
-/// `o = softmax(scale · q·K) · V`. Position t of the sequence is in slot
-/// `table[t / bs] * bs + t % bs`; its key for this head is `kc[slot * kvw + koff..][..q.len()]`.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn attend_head_body(q: &[f32], kc: &[f32], vc: &[f32], table: &[u32], bs: usize, kvw: usize, koff: usize, scale: f32, scores: &mut [f32], o: &mut [f32]) {
-    let hd = q.len();
-    let mut max = f32::NEG_INFINITY;
-    for (t, sv) in scores.iter_mut().enumerate() {
-        let at = (table[t / bs] as usize * bs + t % bs) * kvw + koff;
-        *sv = dot_body(q, &kc[at..at + hd]) * scale;
-        max = max.max(*sv);
-    }
-    let inv = 1.0 / exp_shift_sum_body(scores, max);
-    o.fill(0.0);
-    for (t, &p) in scores.iter().enumerate() {
-        let at = (table[t / bs] as usize * bs + t % bs) * kvw + koff;
-        let w = p * inv;
-        for (ov, &vv) in o.iter_mut().zip(&vc[at..at + hd]) {
-            *ov += w * vv;
-        }
-    }
-}
-
 /// The public entries compiled for one instruction set (same source, so the same results).
 macro_rules! isa_module {
     ($m:ident, $feat:literal) => {
@@ -286,11 +262,6 @@ macro_rules! isa_module {
             #[target_feature(enable = $feat)]
             pub unsafe fn exp_shift_sum(s: &mut [f32], max: f32) -> f32 {
                 super::exp_shift_sum_body(s, max)
-            }
-            #[allow(clippy::too_many_arguments)]
-            #[target_feature(enable = $feat)]
-            pub unsafe fn attend_head(q: &[f32], kc: &[f32], vc: &[f32], table: &[u32], bs: usize, kvw: usize, koff: usize, scale: f32, scores: &mut [f32], o: &mut [f32]) {
-                super::attend_head_body(q, kc, vc, table, bs, kvw, koff, scale, scores, o)
             }
         }
     };
@@ -357,7 +328,6 @@ dispatch!(dot, dot_body, (a: &[f32], b: &[f32]) -> f32);
 dispatch!(gemm_nt, gemm_nt_body, (y: &mut [f32], ldy: usize, x: &[f32], ldx: usize, w: &[f32], ldw: usize, rows: usize, n: usize, k: usize, alpha: f32, add: bool) -> ());
 dispatch!(silu_mul, silu_mul_body, (gate: &[f32], up: &[f32], out: &mut [f32]) -> ());
 dispatch!(exp_shift_sum, exp_shift_sum_body, (s: &mut [f32], max: f32) -> f32);
-dispatch!(attend_head, attend_head_body, (q: &[f32], kc: &[f32], vc: &[f32], table: &[u32], bs: usize, kvw: usize, koff: usize, scale: f32, scores: &mut [f32], o: &mut [f32]) -> ());
 
 /// The LoRA expand (see `lora_expand_body`), on this CPU's widest instruction set.
 ///
