@@ -5,6 +5,7 @@
 pub mod amx;
 mod attention;
 mod gemm;
+pub mod lora;
 pub mod simd;
 
 use crate::{AttnBatch, Device, DeviceKind, KvStorage, RopeTable, Tensor, Weight, WeightData};

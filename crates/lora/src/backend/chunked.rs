@@ -1,6 +1,6 @@
 //! Chunked SGMV on CPU: adapter rows sorted by slot through the stable permutation, split into
-//! chunks of one slot; per chunk the input rows are gathered and shrunk with one GEMM, and the
-//! expand adds straight into the rows' places in `y` through the permutation. Rows never move
+//! chunks of one slot; per chunk one shrink GEMM reads the input rows in place through the
+//! permutation, and the expand adds straight into the rows' places in `y` through it. Rows never move
 //! in `y`. Best for decode, where
 //! adjacent rows have different adapters and segments are one row long.
 
@@ -19,43 +19,30 @@ struct SyncPtr(*mut f32);
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 
-/// Scratch laid out by position in the permutation, which parallel tasks split into disjoint
-/// regions: shrink rows (`n·R` wide) and, for dense input, `copies` regions of gathered input
-/// rows (one per column part, so parts of one chunk never share a region).
+/// Shrink rows laid out by position in the permutation (`n·R` wide), which parallel tasks split
+/// into disjoint regions.
 #[derive(Clone, Copy)]
 struct PermScratch {
     shrink: SyncPtr,
-    gathered: Option<SyncPtr>,
     ld: usize,
-    din: usize,
-    total: usize,
 }
 
 impl PermScratch {
-    fn new(scratch: &mut Scratch, site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, copies: usize) -> PermScratch {
-        let (ld, din, total) = (site.n_slices * site.max_rank, site.in_dim, group.adapter_rows);
-        ensure(&mut scratch.shrink, total * ld);
-        let dense = matches!(input, LoraInput::Dense(_));
-        if dense {
-            ensure(&mut scratch.gathered, copies * total * din);
-        }
-        let gathered = dense.then_some(SyncPtr(scratch.gathered.as_mut_ptr()));
-        PermScratch { shrink: SyncPtr(scratch.shrink.as_mut_ptr()), gathered, ld, din, total }
+    fn new(scratch: &mut Scratch, site: &SiteView<'_>, group: &RowGrouping) -> PermScratch {
+        let ld = site.n_slices * site.max_rank;
+        ensure(&mut scratch.shrink, group.adapter_rows * ld);
+        PermScratch { shrink: SyncPtr(scratch.shrink.as_mut_ptr()), ld }
     }
 
-    /// The shrink rows and gathered region `copy` of permutation positions `lo..hi`.
+    /// The shrink rows of permutation positions `lo..hi`.
     ///
     /// # Safety
-    /// The caller is the only one touching those rows (and that region) while it holds them.
+    /// The caller is the only one touching those rows (or, for a column split, those rows'
+    /// columns it writes) while it holds them.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn rows(&self, copy: usize, lo: usize, hi: usize) -> (&mut [f32], &mut [f32]) {
-        let g = match self.gathered {
-            // SAFETY: sized for `copies × total` rows in `new`; exclusive per the contract.
-            Some(g) => unsafe { std::slice::from_raw_parts_mut(g.0.add((copy * self.total + lo) * self.din), (hi - lo) * self.din) },
-            None => &mut [][..],
-        };
-        // SAFETY: sized for `total` rows in `new`; exclusive per the contract.
-        (unsafe { std::slice::from_raw_parts_mut(self.shrink.0.add(lo * self.ld), (hi - lo) * self.ld) }, g)
+    unsafe fn rows(&self, lo: usize, hi: usize) -> &mut [f32] {
+        // SAFETY: sized for every adapter row in `new`; exclusive per the contract.
+        unsafe { std::slice::from_raw_parts_mut(self.shrink.0.add(lo * self.ld), (hi - lo) * self.ld) }
     }
 }
 
@@ -85,7 +72,7 @@ impl LoraBackend for ChunkedBackend {
 fn apply_row_blocks(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y: &mut [f32], scratch: &mut Scratch, parts: usize) {
     let out = site.out_dim;
     let total = group.adapter_rows;
-    let ps = PermScratch::new(scratch, site, group, input, 1);
+    let ps = PermScratch::new(scratch, site, group);
     let yp = SyncPtr(y.as_mut_ptr());
     let block = total.div_ceil(parts);
     (0..parts).into_par_iter().for_each(|b| {
@@ -104,10 +91,10 @@ fn apply_row_blocks(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'
             }
             let (p0, p1) = (c0.max(lo), c1.min(hi));
             let rows = &group.perm[p0..p1];
-            // SAFETY: permutation positions p0..p1 lie in this task's block: their shrink and
-            // gathered rows, and the y rows they list (perm is a permutation), are its alone.
-            let (sh, g) = unsafe { ps.rows(0, p0, p1) };
-            shrink_rows(site, w, input, Rows::Listed(rows), (0, site.n_slices * site.ranks[w] as usize), g, sh);
+            // SAFETY: permutation positions p0..p1 lie in this task's block: their shrink rows,
+            // and the y rows they list (perm is a permutation), are its alone.
+            let sh = unsafe { ps.rows(p0, p1) };
+            shrink_rows(site, w, input, Rows::Listed(rows), (0, site.n_slices * site.ranks[w] as usize), sh);
             unsafe { expand_rows(site, w, sh, p1 - p0, yp.0, out, Some(rows), (0, 1)) };
         }
     });
@@ -121,8 +108,7 @@ fn apply_row_blocks(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'
 fn apply_parts(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y: &mut [f32], scratch: &mut Scratch, parts: usize) {
     let out = site.out_dim;
     let ld = site.n_slices * site.max_rank;
-    // Chunks own disjoint rows; each part of a chunk gathers the chunk's input rows into its own region.
-    let ps = PermScratch::new(scratch, site, group, input, parts);
+    let ps = PermScratch::new(scratch, site, group);
     let yp = SyncPtr(y.as_mut_ptr());
     // Task t: part t % parts of chunk t / parts; None when the chunk's slot has rank 0 here.
     let task = |t: usize| {
@@ -137,9 +123,9 @@ fn apply_parts(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y
         #[allow(clippy::redundant_locals)]
         let ps = ps;
         // SAFETY: shrink rows lo..hi, columns `cols`, are this task's alone (chunks own disjoint
-        // rows, parts disjoint columns); the gathered region (part, lo..hi) likewise.
-        let (sh, g) = unsafe { ps.rows(part, lo, hi) };
-        shrink_rows(site, w, input, Rows::Listed(&group.perm[lo..hi]), cols, g, sh);
+        // rows, parts disjoint columns, and shrink_rows writes only `cols`).
+        let sh = unsafe { ps.rows(lo, hi) };
+        shrink_rows(site, w, input, Rows::Listed(&group.perm[lo..hi]), cols, sh);
     };
     let expand_task = |t: usize, shrink: &[f32]| {
         let Some((part, w, lo, hi)) = task(t) else { return };

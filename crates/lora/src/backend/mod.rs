@@ -8,7 +8,8 @@
 //!
 //! Backends (CPU): `reference` (per-row loops, the test oracle), `segmented` (one shrink GEMM
 //! and one expand GEMM per slice per contiguous segment), `chunked` (rows grouped by slot
-//! through a stable permutation, chunk by chunk: gather, GEMM, scatter-add), `auto` (per call,
+//! through a stable permutation, chunk by chunk: shrink and expand read and write the rows in
+//! place through it), `auto` (per call,
 //! segmented for prefill-shaped groupings, chunked for decode-shaped ones).
 
 mod chunked;
@@ -38,8 +39,6 @@ pub enum LoraInput<'a> {
 pub struct Scratch {
     /// Shrink output, `[rows, n·R]`.
     pub shrink: Vec<f32>,
-    /// Gathered input rows (chunked).
-    pub gathered: Vec<f32>,
 }
 
 pub(crate) fn ensure(v: &mut Vec<f32>, len: usize) {
@@ -56,18 +55,17 @@ pub trait LoraBackend: Send + Sync {
     fn apply(&self, site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, y: &mut [f32], scratch: &mut Scratch);
 }
 
-/// The kernels crate's `y (+)= alpha · x · wᵀ` for LoRA shapes (one tiny dimension, the rank):
-/// vectorized for the CPU's widest instruction set, four input rows per weight-row load, and
-/// each element computed the same way whatever rows share the call (a row's delta never depends
-/// on its batch).
-use quiver_kernels::cpu::simd::gemm_nt;
+/// The kernels crate's LoRA shrink and expand: register-tiled, rows read and written in place
+/// through an optional row list, each element computed the same way whatever rows share the
+/// call (a row's delta never depends on its batch).
+use quiver_kernels::cpu::lora::{lora_expand, lora_shrink};
 
 /// The input rows a shrink reads.
 #[derive(Clone, Copy)]
 pub(crate) enum Rows<'a> {
     /// Rows `[lo, hi)`, contiguous (a segment).
     Range(usize, usize),
-    /// The rows listed (a chunk of the permutation); dense ones are gathered first.
+    /// The rows listed (a chunk of the permutation), read in place.
     Listed(&'a [u32]),
 }
 
@@ -94,27 +92,16 @@ pub(crate) fn part_range(len: usize, (part, parts): (usize, usize), align: usize
 }
 
 /// Shrink columns `cols` (of the `n·r` of slot `w`, all of them for `(0, n·r)`) of `rows` into
-/// `shrink` rows `0..` (stride `n·R`). Listed dense rows go through `gathered` first (one input
-/// row each); a contiguous range needs no gather.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn shrink_rows(site: &SiteView<'_>, w: usize, input: LoraInput<'_>, rows: Rows<'_>, (c0, c1): (usize, usize), gathered: &mut [f32], shrink: &mut [f32]) {
+/// `shrink` rows `0..` (stride `n·R`).
+pub(crate) fn shrink_rows(site: &SiteView<'_>, w: usize, input: LoraInput<'_>, rows: Rows<'_>, (c0, c1): (usize, usize), shrink: &mut [f32]) {
     let (din, ld) = (site.in_dim, site.n_slices * site.max_rank);
     let a = site.a_slot(w);
     let n = rows.len();
     match input {
-        LoraInput::Dense(x) => {
-            let xs = match rows {
-                Rows::Range(lo, _) => &x[lo * din..],
-                Rows::Listed(p) => {
-                    for (i, &r) in p.iter().enumerate() {
-                        let r = r as usize;
-                        gathered[i * din..(i + 1) * din].copy_from_slice(&x[r * din..(r + 1) * din]);
-                    }
-                    &gathered[..]
-                }
-            };
-            gemm_nt(&mut shrink[c0..], ld, xs, din, &a[c0 * din..], din, n, c1 - c0, din, 1.0, false)
-        }
+        LoraInput::Dense(x) => match rows {
+            Rows::Range(lo, _) => lora_shrink(&mut shrink[c0..], ld, &x[lo * din..], din, None, n, &a[c0 * din..], c1 - c0, din),
+            Rows::Listed(p) => lora_shrink(&mut shrink[c0..], ld, x, din, Some(p), n, &a[c0 * din..], c1 - c0, din),
+        },
         LoraInput::TokenIds(ids) => {
             for i in 0..n {
                 let id = ids[rows.row(i)] as usize;
@@ -142,7 +129,7 @@ pub(crate) unsafe fn expand_rows(site: &SiteView<'_>, w: usize, shrink: &[f32], 
         let o0 = site.offsets[j];
         let (p0, p1) = part_range(site.offsets[j + 1] - o0, part, 64);
         // SAFETY: columns o0+p0..o0+p1 ≤ out_dim of the caller's rows.
-        unsafe { quiver_kernels::cpu::simd::lora_expand(y.add(o0 + p0), ldy, idx, rows, &shrink[j * r..], ld, &bt[o0 + p0..], site.out_dim, r, p1 - p0, site.scaling(w, j)) };
+        unsafe { lora_expand(y.add(o0 + p0), ldy, idx, rows, &shrink[j * r..], ld, &bt[o0 + p0..], site.out_dim, r, p1 - p0, site.scaling(w, j)) };
     }
 }
 

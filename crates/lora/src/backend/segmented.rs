@@ -33,7 +33,7 @@ fn run_block(site: &SiteView<'_>, group: &RowGrouping, input: LoraInput<'_>, lo:
         }
         let (p0, p1) = (s0.max(lo), s1.min(hi));
         let sh = &mut shrink[(p0 - lo) * ld..];
-        shrink_rows(site, w, input, Rows::Range(p0, p1), (0, site.n_slices * r), &mut [], sh);
+        shrink_rows(site, w, input, Rows::Range(p0, p1), (0, site.n_slices * r), sh);
         let yb = &mut y[(p0 - lo) * site.out_dim..(p1 - lo) * site.out_dim];
         // SAFETY: rows p0..p1 of this block, borrowed mutably above.
         unsafe { expand_rows(site, w, sh, p1 - p0, yb.as_mut_ptr(), site.out_dim, None, (0, 1)) };
@@ -75,7 +75,7 @@ impl LoraBackend for SegmentedBackend {
                 if r == 0 {
                     continue;
                 }
-                shrink_rows(site, w, input, Rows::Range(s0, s1), (0, site.n_slices * r), &mut [], &mut scratch.shrink);
+                shrink_rows(site, w, input, Rows::Range(s0, s1), (0, site.n_slices * r), &mut scratch.shrink);
                 let ys = &mut y[s0 * out..s1 * out];
                 // SAFETY: the segment's rows, borrowed mutably above.
                 unsafe { expand_rows(site, w, &scratch.shrink, s1 - s0, ys.as_mut_ptr(), out, None, (0, 1)) };
