@@ -293,7 +293,15 @@ pub(super) fn paged_attention(qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorag
     // Tasks: per sequence and kv head, blocks of TILES_PER_TASK tiles of its queries.
     let per_task = MR * TILES_PER_TASK;
     TASKS.with(|t| {
-        let mut before = t.borrow_mut();
+        // A thread waiting inside this op's parallel loop may run another forward pass's whole
+        // step (steps run on pool workers, see `CpuDevice::run_step`), whose attention then
+        // finds the buffer borrowed and uses a fresh one.
+        let mut own = Vec::new();
+        let mut held = t.try_borrow_mut();
+        let before = match held.as_mut() {
+            Ok(b) => &mut **b,
+            Err(_) => &mut own,
+        };
         before.clear();
         let mut n = 0u32;
         for s in 0..nseq {
