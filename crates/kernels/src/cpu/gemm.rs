@@ -678,6 +678,30 @@ mod tests {
         }
     }
 
+    /// Decode-shaped products over weights that stream from DRAM, as in a real forward pass
+    /// (many distinct weights, more bytes than the L3 holds); `GEMM_M` rows (default 16).
+    /// `cargo test --release -p quiver-kernels gemm_streaming -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn gemm_streaming() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let m: usize = std::env::var("GEMM_M").ok().and_then(|v| v.parse().ok()).unwrap_or(16);
+        for &(k, n) in &[(576, 960), (576, 3072), (1536, 576)] {
+            let copies = (400 << 20) / (n * k * 4);
+            let ws: Vec<crate::aligned::AlignedVec<f32>> = (0..copies).map(|_| crate::aligned::AlignedVec::from_slice(&random(&mut rng, n * k))).collect();
+            let x = random(&mut rng, m * k);
+            let mut y = vec![0.0; m * n];
+            for _ in 0..3 {
+                let t = std::time::Instant::now();
+                for w in &ws {
+                    matmul_f32(&x, m, k, w, n, &mut y, false);
+                }
+                let dt = t.elapsed().as_secs_f64() / copies as f64;
+                eprintln!("k={k:5} n={n:5} m={m}: {:7.1} us {:5.1} GB/s {:6.1} GFLOP/s", dt * 1e6, (n * k * 4) as f64 / dt / 1e9, 2.0 * (m * n * k) as f64 / dt / 1e9);
+            }
+        }
+    }
+
     /// Timing of model-shaped products; `cargo test --release -p quiver-kernels gemm_timing -- --ignored --nocapture`.
     #[test]
     #[ignore]
