@@ -28,28 +28,32 @@ pub struct BenchEngineArgs {
     pub adapters: usize,
     #[arg(long, default_value = "auto")]
     pub lora_backend: String,
+    /// Rounds of the three scenarios, alternating; tok/s and ratios to base are medians
+    /// (ratios taken within each round).
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
     #[arg(long)]
     pub output_json: Option<PathBuf>,
 }
 
 pub fn run(a: BenchEngineArgs) -> Result<()> {
-    if a.adapters == 0 || a.streams == 0 {
-        anyhow::bail!("--adapters and --streams must be at least 1 (the base scenario always runs; --adapters is the distinct-adapter count of the last scenario)");
+    if a.adapters == 0 || a.streams == 0 || a.rounds == 0 {
+        anyhow::bail!("--adapters, --streams and --rounds must be at least 1 (the base scenario always runs; --adapters is the distinct-adapter count of the last scenario)");
     }
     let path = model_path::resolve(a.model.clone())?;
     let lm = load_model(&path, open_device(DeviceKind::Cpu)?, a.dtype)?;
     let cfg = EngineConfig { lora_backend: a.lora_backend.clone(), ..Default::default() };
-    let o = BenchOptions { streams: a.streams, max_tokens: a.max_tokens, prompt_tokens: a.prompt_tokens, rank: a.rank, num_adapters: a.adapters };
+    let o = BenchOptions { streams: a.streams, max_tokens: a.max_tokens, prompt_tokens: a.prompt_tokens, rank: a.rank, num_adapters: a.adapters, rounds: a.rounds };
     println!("model {} | dtype {:?} | {} threads | backend {} | cpu gemm {}", path.display(), a.dtype, rayon::current_num_threads(), a.lora_backend, quiver_kernels::cpu::gemm_kind());
     let res = bench_engine(lm, cfg, &o)?;
-    let base = res.iter().find(|r| r.scenario == "base").map(|r| r.tokens_per_second).unwrap_or(f64::NAN);
     for r in &res {
-        println!("{r}   ({:.2}x base)", r.tokens_per_second / base);
+        let rounds: Vec<String> = r.rounds.iter().map(|t| format!("{t:.1}")).collect();
+        println!("{r}   ({:.2}x base){}", r.vs_base, if r.rounds.len() > 1 { format!("   rounds: {}", rounds.join(" ")) } else { String::new() });
     }
     if let Some(p) = a.output_json {
         let rows: Vec<_> = res
             .iter()
-            .map(|r| serde_json::json!({"scenario": r.scenario, "streams": r.streams, "max_tokens": r.max_tokens, "generated_tokens": r.generated_tokens, "seconds": r.seconds, "tok_s": r.tokens_per_second, "vs_base": r.tokens_per_second / base}))
+            .map(|r| serde_json::json!({"scenario": r.scenario, "streams": r.streams, "max_tokens": r.max_tokens, "generated_tokens": r.generated_tokens, "seconds": r.seconds, "tok_s": r.tokens_per_second, "vs_base": r.vs_base, "rounds_tok_s": r.rounds}))
             .collect();
         std::fs::write(p, serde_json::to_string_pretty(&serde_json::json!({"bench": "engine", "results": rows}))?)?;
     }

@@ -1,6 +1,9 @@
 //! Engine throughput benchmark: `streams` concurrent requests × `max_tokens` generated tokens,
 //! for the base model, all requests on one adapter, and requests spread over 4 distinct
 //! adapters (random rank-`rank` PEFT adapters on every projection, written to a temp dir).
+//! With several rounds the three scenarios alternate, and each scenario's ratio to base is the
+//! median of per-round ratios: a shared machine's speed drifts over seconds, so a base run and
+//! an adapter run minutes apart would compare two machines.
 
 use crate::api::GenerateRequest;
 use crate::config::EngineConfig;
@@ -17,8 +20,14 @@ pub struct BenchResult {
     pub streams: usize,
     pub max_tokens: usize,
     pub generated_tokens: usize,
+    /// Median over rounds.
     pub seconds: f64,
+    /// Median over rounds.
     pub tokens_per_second: f64,
+    /// Median over rounds of this scenario's tok/s over the same round's base tok/s.
+    pub vs_base: f64,
+    /// Every round's tok/s, in order.
+    pub rounds: Vec<f64>,
 }
 
 impl std::fmt::Display for BenchResult {
@@ -39,15 +48,30 @@ pub struct BenchOptions {
     pub rank: usize,
     /// Adapters for the multi-adapter scenario.
     pub num_adapters: usize,
+    /// Times the three scenarios run, alternating.
+    pub rounds: usize,
 }
 
 impl Default for BenchOptions {
     fn default() -> Self {
-        BenchOptions { streams: 16, max_tokens: 128, prompt_tokens: 16, rank: 16, num_adapters: 4 }
+        BenchOptions { streams: 16, max_tokens: 128, prompt_tokens: 16, rank: 16, num_adapters: 4, rounds: 1 }
     }
 }
 
-fn run_scenario(h: &EngineHandle, name: &str, o: &BenchOptions, adapters: &[Option<String>], vocab: usize) -> Result<BenchResult> {
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// One run of a scenario: (generated tokens, seconds).
+fn run_scenario(h: &EngineHandle, name: &str, o: &BenchOptions, adapters: &[Option<String>], vocab: usize) -> Result<(usize, f64)> {
     let t0 = Instant::now();
     let mut streams = Vec::new();
     for i in 0..o.streams {
@@ -64,8 +88,7 @@ fn run_scenario(h: &EngineHandle, name: &str, o: &BenchOptions, adapters: &[Opti
         }
         generated += c.tokens.iter().map(|t| t.len()).sum::<usize>();
     }
-    let secs = t0.elapsed().as_secs_f64();
-    Ok(BenchResult { scenario: name.into(), streams: o.streams, max_tokens: o.max_tokens, generated_tokens: generated, seconds: secs, tokens_per_second: generated as f64 / secs })
+    Ok((generated, t0.elapsed().as_secs_f64()))
 }
 
 /// Runs the three scenarios on one engine. `cfg` is adjusted so all streams run at once.
@@ -91,11 +114,31 @@ pub fn bench_engine(model: LoadedModel, mut cfg: EngineConfig, o: &BenchOptions)
     // Warm-up (workspace growth, page faults, slot loads).
     let warm = BenchOptions { streams: o.streams, max_tokens: 4, ..o.clone() };
     run_scenario(&h, "warmup", &warm, &names, vocab)?;
-    let mut out = Vec::new();
-    out.push(run_scenario(&h, "base", o, &[None], vocab)?);
-    out.push(run_scenario(&h, "1 adapter", o, &names[..1], vocab)?);
-    out.push(run_scenario(&h, &format!("{} distinct adapters", names.len()), o, &names, vocab)?);
+    let multi = format!("{} distinct adapters", names.len());
+    let scenarios: [(&str, &[Option<String>]); 3] = [("base", &[None]), ("1 adapter", &names[..1]), (&multi, &names)];
+    // runs[s][round] = (tokens, seconds)
+    let mut runs = vec![Vec::new(); scenarios.len()];
+    for _ in 0..o.rounds.max(1) {
+        for (s, (name, ads)) in scenarios.iter().enumerate() {
+            runs[s].push(run_scenario(&h, name, o, ads, vocab)?);
+        }
+    }
     h.shutdown_and_join();
+    let tps = |r: &(usize, f64)| r.0 as f64 / r.1;
+    let out = scenarios
+        .iter()
+        .zip(&runs)
+        .map(|((name, _), rs)| BenchResult {
+            scenario: name.to_string(),
+            streams: o.streams,
+            max_tokens: o.max_tokens,
+            generated_tokens: rs[0].0,
+            seconds: median(rs.iter().map(|r| r.1).collect()),
+            tokens_per_second: median(rs.iter().map(tps).collect()),
+            vs_base: median(rs.iter().zip(&runs[0]).map(|(r, b)| tps(r) / tps(b)).collect()),
+            rounds: rs.iter().map(tps).collect(),
+        })
+        .collect();
     let _ = std::fs::remove_dir_all(&dir);
     Ok(out)
 }
