@@ -36,9 +36,9 @@ pub(super) trait Simd {
     const L: usize;
     /// Rows of x per register tile (× `NR` rows of W).
     const MR: usize;
-    /// Rows of x per tall tile (× `NR - 1` rows of W), for blocks of `MR + 1 ..= MR_WIDE` rows,
+    /// Rows of x per tall tile (× `NR - 1` rows of W), for blocks of `MR + 1 ..= MR_TALL` rows,
     /// which it covers in one pass over W; 0 for none.
-    const MR_WIDE: usize = 0;
+    const MR_TALL: usize = 0;
     unsafe fn zero() -> Self::V;
     unsafe fn load(p: *const f32) -> Self::V;
     unsafe fn load_bf16(p: *const bf16) -> Self::V;
@@ -116,7 +116,7 @@ pub(super) mod x86 {
         type V = __m512;
         const L: usize = 16;
         const MR: usize = 6;
-        const MR_WIDE: usize = 8;
+        const MR_TALL: usize = 8;
         #[inline]
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn zero() -> __m512 {
@@ -299,7 +299,7 @@ pub(super) unsafe fn tile_n<S: Simd, const R: usize, const NC: usize, T: WElem>(
         while c < full {
             for j in 0..NC {
                 // The same place in the next group of W rows (rows are contiguous, so that is
-                // `NR·k` further), one line per row and chunk: the next tile's first pass over W
+                // `NC·k` further), one line per row and chunk: the next tile's first pass over W
                 // then finds it in cache instead of waiting on DRAM with four short streams the
                 // hardware prefetcher ramps up too late for. Measured +35% on 16-row and +60% on
                 // 4-row decode steps of SmolLM2 f32 (A/B in one run); past the block's end it is
@@ -371,14 +371,14 @@ unsafe fn block_body<S: Simd, T: WElem>(b: &Block<T>) {
     let m = r1 - r0;
     let mut i0 = r0;
     unsafe {
-        if m > S::MR && m <= S::MR_WIDE {
+        if m > S::MR && m <= S::MR_TALL {
             // One pass over the block of W instead of two (7 or 8 rows: one tile of 8 instead of
             // 6 + 2), with one W row less per tile to stay within the registers. Measured +6% on
             // 8-row decode steps (196.5 → 208.5 tok/s, medians of six alternated runs); at 16
             // rows two passes of 8 × 3 were no better than three of 6 × 4 (−3%, noise), so
-            // larger blocks keep the wider tile.
+            // larger blocks keep the 6 × 4 tile.
             while i0 < r1 {
-                let rows = S::MR_WIDE.min(r1 - i0);
+                let rows = S::MR_TALL.min(r1 - i0);
                 match rows {
                     1 => row_tile::<S, 1, { NR - 1 }, T>(b, i0),
                     2 => row_tile::<S, 2, { NR - 1 }, T>(b, i0),
@@ -388,7 +388,7 @@ unsafe fn block_body<S: Simd, T: WElem>(b: &Block<T>) {
                     6 => row_tile::<S, 6, { NR - 1 }, T>(b, i0),
                     7 => row_tile::<S, 7, { NR - 1 }, T>(b, i0),
                     8 => row_tile::<S, 8, { NR - 1 }, T>(b, i0),
-                    _ => unreachable!("MR_WIDE is at most 8"),
+                    _ => unreachable!("MR_TALL is at most 8"),
                 }
                 i0 += rows;
             }
