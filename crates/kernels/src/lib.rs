@@ -128,6 +128,8 @@ pub enum WeightData {
     Bf16(aligned::AlignedVec<half::bf16>),
     /// Host memory as AMX tiles (f32 as bf16 hi + lo planes, or bf16): see [`cpu::amx`].
     Tiled(cpu::amx::TiledWeight),
+    /// Host memory in column panels for the CPU GEMM: see [`cpu::panel`].
+    Panels(cpu::panel::PanelWeight),
     /// In device memory, in the given dtype.
     #[cfg(feature = "cuda")]
     Cuda(cuda::DevBuf, DType),
@@ -154,6 +156,7 @@ impl Weight {
             WeightData::F32(_) => DType::F32,
             WeightData::Bf16(_) => DType::Bf16,
             WeightData::Tiled(ref t) => if t.is_f32() { DType::F32 } else { DType::Bf16 },
+            WeightData::Panels(ref p) => if p.is_f32() { DType::F32 } else { DType::Bf16 },
             #[cfg(feature = "cuda")]
             WeightData::Cuda(_, d) => d,
         }
@@ -163,6 +166,7 @@ impl Weight {
             WeightData::F32(v) => v.len() * 4,
             WeightData::Bf16(v) => v.len() * 2,
             WeightData::Tiled(t) => t.size_bytes(),
+            WeightData::Panels(p) => p.size_bytes(),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(b, _) => b.bytes(),
         }
@@ -178,6 +182,7 @@ impl Weight {
                 }
             }
             WeightData::Tiled(t) => t.row_f32(r, out),
+            WeightData::Panels(p) => p.row_f32(r, out),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(..) => panic!("row_f32 of a weight in device memory"),
         }

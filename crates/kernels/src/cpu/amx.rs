@@ -19,7 +19,7 @@
 //! up to `x_lo`'s rounding. Weights are converted once at load ([`TiledWeight`], the same
 //! 4 bytes per f32 weight).
 //!
-//! **Invariant (as in gemm.rs): how an element is computed does not depend on M.** A tile's
+//! **Invariant (as in panel.rs): how an element is computed does not depend on M.** A tile's
 //! 16×16 accumulators are independent per element; which rows share a tile, how many tiles run
 //! together and the split into tasks never change an element's sequence of operations. So a
 //! row's result is bit-identical alone (decode) or inside any batch, as on the FMA path.

@@ -16,7 +16,7 @@
 //! an accumulator unchanged. So a row gets bit-identical attention in prefill and in decode, in
 //! any batch: what the exact replay of a preempted request relies on.
 
-use super::gemm::{tile, Portable, Simd, NR};
+use super::dot::{tile, Portable, Simd, NR};
 use super::simd::{exp_shift_sum, isa, Isa};
 use crate::{AttnBatch, KvStorage, Tensor};
 use rayon::prelude::*;
@@ -198,7 +198,7 @@ unsafe fn run_queries<S: Simd>(g: &Group<'_>, q0: usize, q1: usize, out: *mut f3
 
 #[cfg(target_arch = "x86_64")]
 mod x86_entry {
-    use super::super::gemm::x86::{Avx2, Avx512};
+    use super::super::dot::x86::{Avx2, Avx512};
     use super::Group;
     /// # Safety
     /// The CPU has AVX-512F; see `tile_queries`.

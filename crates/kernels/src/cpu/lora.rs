@@ -16,7 +16,7 @@
 //! bit for bit. The old per-row kernels (a 4 × 2 dot-product tile and one row per expand pass)
 //! ran at about a third of the base GEMM's FLOP rate from 64 rows up.
 
-use super::gemm::{tile, Portable, Simd, NR};
+use super::dot::{tile, Portable, Simd, NR};
 use super::simd::{isa, Isa};
 
 /// The shrink's operands; see [`lora_shrink`].
@@ -209,7 +209,7 @@ unsafe fn expand_tail<S: Simd>(e: &Expand<'_>, c0: usize) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86_entry {
-    use super::super::gemm::x86::{Avx2, Avx512};
+    use super::super::dot::x86::{Avx2, Avx512};
     use super::{Expand, Shrink};
     /// # Safety
     /// The CPU has AVX-512F; see `lora_shrink`.

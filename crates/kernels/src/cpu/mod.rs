@@ -1,17 +1,18 @@
-//! CPU implementation of the device ops: our own GEMM (gemm.rs), hand-written loops elsewhere,
+//! CPU implementation of the device ops: our own weight GEMM on packed panels (panel.rs), the
+//! dot-product tiles LoRA and attention share (dot.rs), hand-written loops elsewhere,
 //! threads through rayon. Scratch space comes from thread-local buffers that only grow, so a
 //! steady-state decode step allocates nothing.
 
 pub mod amx;
 mod attention;
-mod gemm;
+mod dot;
 pub mod lora;
+pub mod panel;
 pub mod simd;
 
 use crate::{AttnBatch, Device, DeviceKind, KvStorage, RopeTable, Tensor, Weight, WeightData};
 use rayon::prelude::*;
 
-pub use gemm::matmul_f32;
 
 /// A raw pointer that parallel tasks may share: each task touches only its own part of the
 /// buffer behind it (the callers' safety arguments say which).
@@ -115,14 +116,15 @@ impl Device for CpuDevice {
         Tensor::zeros_cpu(len)
     }
 
-    /// With AMX, weights become tiles once here (see `amx`); otherwise they stay as loaded.
+    /// Weights are repacked once here for the GEMM that runs them at every M: column panels
+    /// (see `panel`), or AMX tiles when that mode is on (see `amx`).
     fn load_weight(&self, w: Weight) -> Weight {
-        if !amx::enabled() {
-            return w;
-        }
+        let amx = amx::enabled();
         let data = match &w.data {
-            WeightData::F32(v) => WeightData::Tiled(amx::TiledWeight::from_f32(w.rows, w.cols, v)),
-            WeightData::Bf16(v) => WeightData::Tiled(amx::TiledWeight::from_bf16(w.rows, w.cols, v)),
+            WeightData::F32(v) if amx => WeightData::Tiled(amx::TiledWeight::from_f32(w.rows, w.cols, v)),
+            WeightData::Bf16(v) if amx => WeightData::Tiled(amx::TiledWeight::from_bf16(w.rows, w.cols, v)),
+            WeightData::F32(v) => WeightData::Panels(panel::PanelWeight::from_f32(w.rows, w.cols, v)),
+            WeightData::Bf16(v) => WeightData::Panels(panel::PanelWeight::from_bf16(w.rows, w.cols, v)),
             _ => return w,
         };
         Weight { data, ..w }
@@ -141,9 +143,9 @@ impl Device for CpuDevice {
         let x = &x.as_cpu()[..m * k];
         let y = &mut y.as_cpu_mut()[..m * n];
         match &w.data {
-            WeightData::F32(wd) => gemm::matmul_f32(x, m, k, wd, n, y, false),
-            WeightData::Bf16(wd) => gemm::matmul_bf16(x, m, k, wd, n, y),
+            WeightData::F32(_) | WeightData::Bf16(_) => panic!("CPU matmul given a weight not loaded through Device::load_weight"),
             WeightData::Tiled(t) => amx::matmul(x, m, t, y),
+            WeightData::Panels(p) => panel::matmul(x, m, p, y, false),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(..) => panic!("CPU matmul given a weight in CUDA memory"),
         }

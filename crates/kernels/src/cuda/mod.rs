@@ -882,7 +882,7 @@ impl Device for CudaDevice {
                 self.htod(b.ptr, &v[..]);
                 (b, DType::Bf16)
             }
-            WeightData::Tiled(_) => panic!("CUDA load_weight given a weight the CPU device already loaded (build a fresh Weight per device)"),
+            WeightData::Tiled(_) | WeightData::Panels(_) => panic!("CUDA load_weight given a weight the CPU device already loaded (build a fresh Weight per device)"),
             WeightData::Cuda(..) => return w,
         };
         Weight { rows, cols, data: WeightData::Cuda(b, dtype) }

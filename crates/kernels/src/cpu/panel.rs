@@ -1,0 +1,528 @@
+//! `y = x · Wᵀ` on weights packed once at load into column panels: the CPU device's GEMM for
+//! every model weight, at every M.
+//!
+//! **Layout.** W `[n, k]` becomes `⌈n / NP⌉` panels of `NP` output columns; panel `p` holds
+//! `W[p·NP + c, kk]` at `(p·k + kk)·NP + c`, so one k step of a panel is `NP` contiguous values
+//! and a whole panel is one contiguous `k·NP` run. The last panel is zero-padded.
+//!
+//! **Kernel.** A register tile is `R ≤ MR` rows of x × one panel (`NP / L` vectors): per k step
+//! it loads the panel's `NP` values once and multiplies them by each row's `x[i, kk]` broadcast.
+//! Compared with the dot-product tiles of `dot.rs`, which ran the weight GEMM before: no lane
+//! reduction per element, one sequential stream per task instead of four short rows per tile,
+//! and all 16 rows of a decode step in two passes over a panel that stays in L2. Measured on
+//! SmolLM2 f32 (BENCHMARKS.md): 64-row decode +20–27%, 16-row +8–15%, prefill +0–16%.
+//!
+//! **Invariant: how an element is computed does not depend on M.** `y[i, j]` is one f32 chain
+//! `acc = x[i, kk] · W[j, kk] + acc` for kk = 0, 1, …, k − 1 from zero (a fused multiply-add
+//! on AVX-512 and AVX2, multiply then add on the portable path), whatever tile, task or batch the
+//! element falls in. So a sequence's logits are bit-identical alone, in a decode batch or in a
+//! prefill chunk, as `crates/engine/tests/batched_forward.rs` asserts. Never split k across tasks
+//! or start a chain anywhere but zero.
+
+use super::dot::{Portable, Simd, WElem};
+use super::simd::{isa, Isa};
+use super::SyncPtr;
+use crate::aligned::AlignedVec;
+use half::bf16;
+use rayon::prelude::*;
+
+/// Output columns per panel: three AVX-512 vectors, six AVX2 or portable ones.
+pub const NP: usize = 48;
+
+/// A weight `[n, k]` in panels (see the module docs), f32 or bf16 (widened in registers).
+pub struct PanelWeight {
+    n: usize,
+    k: usize,
+    data: PanelData,
+}
+
+enum PanelData {
+    F32(AlignedVec<f32>),
+    Bf16(AlignedVec<bf16>),
+}
+
+fn pack<T: Copy + Default>(n: usize, k: usize, w: &[T]) -> AlignedVec<T> {
+    assert_eq!(w.len(), n * k, "panel pack: weight data does not match [{n}, {k}]");
+    let panels = n.div_ceil(NP);
+    let mut out = vec![T::default(); panels * NP * k];
+    for (p, panel) in out.chunks_mut(NP * k).enumerate() {
+        for c in 0..NP.min(n - p * NP) {
+            let row = &w[(p * NP + c) * k..(p * NP + c + 1) * k];
+            for (kk, &v) in row.iter().enumerate() {
+                panel[kk * NP + c] = v;
+            }
+        }
+    }
+    AlignedVec::from_slice(&out)
+}
+
+impl PanelWeight {
+    pub fn from_f32(n: usize, k: usize, w: &[f32]) -> Self {
+        PanelWeight { n, k, data: PanelData::F32(pack(n, k, w)) }
+    }
+    pub fn from_bf16(n: usize, k: usize, w: &[bf16]) -> Self {
+        PanelWeight { n, k, data: PanelData::Bf16(pack(n, k, w)) }
+    }
+    pub fn is_f32(&self) -> bool {
+        matches!(self.data, PanelData::F32(_))
+    }
+    pub fn size_bytes(&self) -> usize {
+        match &self.data {
+            PanelData::F32(v) => v.len() * 4,
+            PanelData::Bf16(v) => v.len() * 2,
+        }
+    }
+    /// Row `r` of W (an embedding row, for tied tables) converted to f32 into `out` (len `k`).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.n, "panel row {r} of {}", self.n);
+        let (p, c) = (r / NP, r % NP);
+        let base = p * NP * self.k + c;
+        match &self.data {
+            PanelData::F32(v) => out.iter_mut().enumerate().for_each(|(kk, o)| *o = v[base + kk * NP]),
+            PanelData::Bf16(v) => out.iter_mut().enumerate().for_each(|(kk, o)| *o = v[base + kk * NP].to_f32()),
+        }
+    }
+}
+
+/// What one task computes: `y[rows, panels]`; `y` has row stride `n`.
+#[derive(Clone, Copy)]
+struct Block<T> {
+    x: *const f32,
+    w: *const T,
+    y: *mut f32,
+    k: usize,
+    n: usize,
+    rows: (usize, usize),
+    panels: (usize, usize),
+    accumulate: bool,
+}
+
+/// `R` rows of x against `P` panels starting at `w` (each `k·NP` further): `C` vectors of `S::L`
+/// columns per panel, `C · S::L = NP`. Several panels at once give small row counts more
+/// independent streams of W in flight; each element is still its own chain.
+///
+/// Besides the near prefetch (`PREFETCH_STEPS` ahead in the panels being read), every `every`
+/// k steps one k step of `P` panels at `far` is fetched into L2: the panels the next tile or pass
+/// reads first, spread so that a panel read in `every` row passes has the next one in L2 when
+/// they finish (DRAM stays busy during passes that read from L2). Measured +20–30% GB/s on
+/// 16-row products over streaming weights; a hint past the weight's end is harmless.
+///
+/// # Safety
+/// `xs[i]` has `k` readable elements, `w` `P` whole panels; the CPU supports `S`; `every ≥ 1`.
+#[inline(always)]
+unsafe fn tile<S: Simd, const R: usize, const P: usize, const C: usize, T: WElem>(xs: [*const f32; R], w: *const T, k: usize, far: *const T, every: usize) -> [[[S::V; C]; P]; R] {
+    unsafe {
+        let mut acc = [[[S::zero(); C]; P]; R];
+        let (mut fp, mut cnt) = (far, 0);
+        let mut wp = w;
+        let stride = k * NP;
+        for kk in 0..k {
+            let mut wv = [[S::zero(); C]; P];
+            for (q, vq) in wv.iter_mut().enumerate() {
+                for (c, v) in vq.iter_mut().enumerate() {
+                    let at = wp.add(q * stride + c * S::L);
+                    S::prefetch(at.wrapping_add(PREFETCH_STEPS * NP) as *const u8);
+                    *v = T::load::<S>(at);
+                }
+            }
+            for i in 0..R {
+                let xv = S::splat(*xs[i].add(kk));
+                for q in 0..P {
+                    for c in 0..C {
+                        acc[i][q][c] = S::madd(xv, wv[q][c], acc[i][q][c]);
+                    }
+                }
+            }
+            wp = wp.add(NP);
+            cnt += 1;
+            if cnt == every {
+                cnt = 0;
+                for q in 0..P {
+                    for c in 0..C {
+                        prefetch_l2(fp.wrapping_add(q * stride + c * S::L) as *const u8);
+                    }
+                }
+                fp = fp.wrapping_add(NP);
+            }
+        }
+        acc
+    }
+}
+
+/// Rows `i0..i0 + R` against panels `p..p + P`, written (or added) to y.
+///
+/// # Safety
+/// See `tile`; `y[i0..i0 + R, p·NP..]` is written by this call only.
+#[inline(always)]
+unsafe fn row_tile<S: Simd, const R: usize, const P: usize, const C: usize, T: WElem>(b: &Block<T>, i0: usize, p: usize, far: *const T, every: usize) {
+    unsafe {
+        let mut xs = [b.x; R];
+        for (i, x) in xs.iter_mut().enumerate() {
+            *x = b.x.add((i0 + i) * b.k);
+        }
+        let acc = tile::<S, R, P, C, T>(xs, b.w.add(p * NP * b.k), b.k, far, every);
+        for (i, row) in acc.iter().enumerate() {
+            for (q, part) in row.iter().enumerate() {
+                let j0 = (p + q) * NP;
+                let cols = NP.min(b.n - j0);
+                let yr = b.y.add((i0 + i) * b.n + j0);
+                if cols == NP {
+                    for (c, &v) in part.iter().enumerate() {
+                        let dst = yr.add(c * S::L);
+                        S::store(dst, if b.accumulate { S::add(S::load(dst), v) } else { v });
+                    }
+                } else {
+                    let mut tmp = [0.0f32; NP];
+                    for (c, &v) in part.iter().enumerate() {
+                        S::store(tmp.as_mut_ptr().add(c * S::L), v);
+                    }
+                    for (j, &v) in tmp[..cols].iter().enumerate() {
+                        if b.accumulate {
+                            *yr.add(j) += v;
+                        } else {
+                            *yr.add(j) = v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A block of at most `MR` rows: one row tile, `P` panels at a time while `P` remain.
+///
+/// # Safety
+/// See `row_tile`.
+#[inline(always)]
+unsafe fn short_block<S: Simd, const R: usize, const P: usize, const C: usize, T: WElem>(b: &Block<T>) {
+    let mut p = b.panels.0;
+    unsafe {
+        while p + P <= b.panels.1 {
+            row_tile::<S, R, P, C, T>(b, b.rows.0, p, b.w.wrapping_add((p + P) * NP * b.k), 1);
+            p += P;
+        }
+        while p < b.panels.1 {
+            row_tile::<S, R, 1, C, T>(b, b.rows.0, p, b.w.wrapping_add((p + 1) * NP * b.k), 1);
+            p += 1;
+        }
+    }
+}
+
+/// Every panel of the block against every row tile, panel by panel (the panel then stays in
+/// L1/L2 while the row tiles pass over it). Blocks of one row tile take several panels per
+/// pass instead (see `tile`).
+///
+/// # Safety
+/// See `row_tile`; the CPU supports `S`.
+#[inline(always)]
+unsafe fn block_body<S: Simd, const MR: usize, const C: usize, T: WElem>(b: &Block<T>) {
+    let m = b.rows.1 - b.rows.0;
+    unsafe {
+        match m {
+            1 => return short_block::<S, 1, SHORT_P, C, T>(b),
+            2 => return short_block::<S, 2, SHORT_P, C, T>(b),
+            3 if MR >= 3 => return short_block::<S, 3, SHORT_P, C, T>(b),
+            4 if MR >= 4 => return short_block::<S, 4, SHORT_P, C, T>(b),
+            _ => {}
+        }
+    }
+    // Pass i of `passes` over panel p prefetches the i-th share of panel p + 1 (see `tile`).
+    let passes = m.div_ceil(MR);
+    let span = b.k.div_ceil(passes) * NP;
+    for p in b.panels.0..b.panels.1 {
+        let mut i0 = b.rows.0;
+        let mut far = b.w.wrapping_add((p + 1) * NP * b.k);
+        while i0 < b.rows.1 {
+            let r = MR.min(b.rows.1 - i0);
+            unsafe {
+                match r {
+                    1 => row_tile::<S, 1, 1, C, T>(b, i0, p, far, passes),
+                    2 => row_tile::<S, 2, 1, C, T>(b, i0, p, far, passes),
+                    3 => row_tile::<S, 3, 1, C, T>(b, i0, p, far, passes),
+                    4 => row_tile::<S, 4, 1, C, T>(b, i0, p, far, passes),
+                    5 => row_tile::<S, 5, 1, C, T>(b, i0, p, far, passes),
+                    6 => row_tile::<S, 6, 1, C, T>(b, i0, p, far, passes),
+                    7 => row_tile::<S, 7, 1, C, T>(b, i0, p, far, passes),
+                    8 => row_tile::<S, 8, 1, C, T>(b, i0, p, far, passes),
+                    _ => unreachable!("MR is at most 8"),
+                }
+            }
+            i0 += r;
+            far = far.wrapping_add(span);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86_entry {
+    use super::super::dot::x86::{Avx2, Avx512};
+    use super::{block_body, Block, WElem};
+    /// # Safety
+    /// The CPU has AVX-512F; see `row_tile`.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn avx512<T: WElem>(b: &Block<T>) {
+        unsafe { block_body::<Avx512, 8, 3, T>(b) }
+    }
+    /// # Safety
+    /// The CPU has AVX2 and FMA; see `row_tile`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn avx2<T: WElem>(b: &Block<T>) {
+        unsafe { block_body::<Avx2, 2, 6, T>(b) }
+    }
+}
+
+/// Rows of x per register tile on this instruction set.
+fn mr_of(isa: Isa) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => 8,
+        _ => 2,
+    }
+}
+
+/// # Safety
+/// See `row_tile`; `isa` is what this CPU supports.
+unsafe fn run_block<T: WElem>(isa: Isa, b: &Block<T>) {
+    unsafe {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => x86_entry::avx512(b),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => x86_entry::avx2(b),
+            _ => block_body::<Portable, 2, 6, T>(b),
+        }
+    }
+}
+
+/// How far ahead in its panel a tile asks for W (k steps of `NP` values; 3 KiB of f32): the
+/// hardware prefetcher stops at every 4 KiB page, a panel is one long run of pages, and past the
+/// panel's end the hint lands on the next panel, which the task reads next.
+const PREFETCH_STEPS: usize = 16;
+
+/// Hint that the line at `p` will be read soon, into L2 (never faults, any address).
+#[inline(always)]
+fn prefetch_l2(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults; SSE is baseline on x86_64.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p as *const i8)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Blocks of at most `SHORT_ROWS` rows (one pass) take `SHORT_P` panels per tile: two streams of
+/// W in flight instead of one. Four measured worse at one row (33–38 against 43–44 tok/s).
+const SHORT_P: usize = 2;
+const SHORT_ROWS: usize = 4;
+
+/// Rows of x per task at most: a task's x rows stay in L2 while its panels pass.
+const MAX_BLOCK_ROWS: usize = 64;
+/// Below this many multiply-adds the whole product runs on the calling thread.
+const SEQ_WORK: usize = 64 * 1024;
+
+fn gemm<T: WElem>(x: &[f32], m: usize, k: usize, n: usize, w: &[T], y: &mut [f32], accumulate: bool) {
+    let panels = n.div_ceil(NP);
+    assert!(x.len() >= m * k && w.len() >= panels * NP * k && y.len() >= m * n, "panel gemm: buffers too small for {m}x{k} · ({n}x{k})ᵀ");
+    if m == 0 || n == 0 {
+        return;
+    }
+    let isa = isa();
+    let base = Block { x: x.as_ptr(), w: w.as_ptr(), y: y.as_mut_ptr(), k, n, rows: (0, m), panels: (0, panels), accumulate };
+    let threads = rayon::current_num_threads();
+    if threads == 1 || m * n * k < SEQ_WORK {
+        // SAFETY: one block covering all of y, on this thread; the assert bounds x, W and y.
+        unsafe { run_block(isa, &base) };
+        return;
+    }
+    let mr = mr_of(isa);
+    let bm = if m <= MAX_BLOCK_ROWS { m } else { MAX_BLOCK_ROWS / mr * mr };
+    let mblocks = m.div_ceil(bm);
+    // Enough tasks for load balance on a shared machine, few enough that each streams a long
+    // run of panels (the far prefetch never covers a task's first panel). Single-pass blocks
+    // are light per byte, so they take more, shorter tasks.
+    let want = (threads * if m <= SHORT_ROWS.min(mr) { 16 } else { 4 }).div_ceil(mblocks);
+    let mut bp = panels.div_ceil(want).max(1);
+    if m <= SHORT_ROWS.min(mr) {
+        bp = bp.next_multiple_of(SHORT_P);
+    }
+    let pblocks = panels.div_ceil(bp);
+    let (xp, wp, yp) = (SyncPtr(base.x), SyncPtr(base.w), SyncPtr(base.y as *const f32));
+    (0..mblocks * pblocks).into_par_iter().for_each(|t| {
+        let (bi, bj) = (t / pblocks, t % pblocks);
+        let (xp, wp, yp) = (xp, wp, yp);
+        let rows = (bi * bm, ((bi + 1) * bm).min(m));
+        let b = Block { x: xp.0, w: wp.0, y: yp.0 as *mut f32, rows, panels: (bj * bp, ((bj + 1) * bp).min(panels)), ..base };
+        // SAFETY: tasks own disjoint rectangles of y; the assert bounds x, W and y.
+        unsafe { run_block(isa, &b) };
+    });
+}
+
+/// `y = x · Wᵀ` (or `y += …` with `accumulate`), x `[m, k]`, y `[m, n]`.
+pub fn matmul(x: &[f32], m: usize, w: &PanelWeight, y: &mut [f32], accumulate: bool) {
+    match &w.data {
+        PanelData::F32(v) => gemm(x, m, w.k, w.n, v, y, accumulate),
+        PanelData::Bf16(v) => gemm(x, m, w.k, w.n, v, y, accumulate),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn random(rng: &mut impl Rng, len: usize) -> Vec<f32> {
+        (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    fn seed() -> u64 {
+        let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        eprintln!("panel test seed {s}");
+        s
+    }
+
+    /// Within k ulps of Σ|terms| of the f64 dot product.
+    fn check(got: &[f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize, what: &str) {
+        for i in 0..m {
+            for j in 0..n {
+                let (mut e, mut mag) = (0.0f64, 0.0f64);
+                for t in 0..k {
+                    let p = x[i * k + t] as f64 * w[j * k + t] as f64;
+                    e += p;
+                    mag += p.abs();
+                }
+                let g = got[i * n + j] as f64;
+                assert!((g - e).abs() <= 1.2e-7 * k as f64 * mag + 1e-30, "{what} m={m} k={k} n={n} [{i},{j}]: {g} vs {e}");
+            }
+        }
+    }
+
+    fn isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2);
+                if is_x86_feature_detected!("avx512f") {
+                    v.push(Isa::Avx512);
+                }
+            }
+        }
+        v
+    }
+
+    /// One block over all of y with a given instruction set.
+    fn run(isa: Isa, x: &[f32], m: usize, w: &PanelWeight, y0: Option<&[f32]>) -> Vec<f32> {
+        let mut y = y0.map_or_else(|| vec![f32::NAN; m * w.n], |v| v.to_vec());
+        fn go<T: WElem>(isa: Isa, x: &[f32], m: usize, w: &PanelWeight, v: &[T], y: &mut [f32], accumulate: bool) {
+            let b = Block { x: x.as_ptr(), w: v.as_ptr(), y: y.as_mut_ptr(), k: w.k, n: w.n, rows: (0, m), panels: (0, w.n.div_ceil(NP)), accumulate };
+            // SAFETY: one block over all of y; `isa` was detected on this CPU.
+            unsafe { run_block(isa, &b) }
+        }
+        match &w.data {
+            PanelData::F32(v) => go(isa, x, m, w, v, &mut y, y0.is_some()),
+            PanelData::Bf16(v) => go(isa, x, m, w, v, &mut y, y0.is_some()),
+        }
+        y
+    }
+
+    #[test]
+    fn every_isa_is_accurate_and_batch_invariant_on_odd_shapes() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
+        for &(m, k, n) in &[(1, 1, 1), (3, 7, 5), (9, 45, 13), (8, 16, 48), (16, 100, 97), (17, 33, 49), (5, 577, 131), (13, 64, 96)] {
+            let x = random(&mut rng, m * k);
+            let w = random(&mut rng, n * k);
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            let wr: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+            let (pf, pb) = (PanelWeight::from_f32(n, k, &w), PanelWeight::from_bf16(n, k, &wb));
+            for isa in isas() {
+                let (yf, yb) = (run(isa, &x, m, &pf, None), run(isa, &x, m, &pb, None));
+                check(&yf, &x, &w, m, k, n, &format!("{isa:?} f32"));
+                check(&yb, &x, &wr, m, k, n, &format!("{isa:?} bf16"));
+                for i in 0..m {
+                    let row = &x[i * k..(i + 1) * k];
+                    assert_eq!(run(isa, row, 1, &pf, None), yf[i * n..(i + 1) * n], "{isa:?} f32 row {i} of {m}");
+                    assert_eq!(run(isa, row, 1, &pb, None), yb[i * n..(i + 1) * n], "{isa:?} bf16 row {i} of {m}");
+                }
+                let y0 = random(&mut rng, m * n);
+                let acc = run(isa, &x, m, &pf, Some(&y0));
+                for ((a, p), b) in acc.iter().zip(&yf).zip(&y0) {
+                    assert_eq!(*a, p + b, "{isa:?} accumulate");
+                }
+            }
+        }
+    }
+
+    /// The parallel split (row blocks × panel groups) gives each row the bits of its 1-row
+    /// product, at sizes that take it.
+    #[test]
+    fn parallel_rows_equal_their_one_row_products_exactly() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
+        for &(m, k, n) in &[(130, 576, 960), (16, 1536, 577), (70, 64, 1000), (7, 100, 33)] {
+            let x: Vec<f32> = random(&mut rng, m * k).iter().enumerate().map(|(t, &v)| if t % k % 97 == 3 { v * 300.0 } else { v }).collect();
+            let w = random(&mut rng, n * k);
+            let pw = PanelWeight::from_f32(n, k, &w);
+            let mut all = vec![f32::NAN; m * n];
+            matmul(&x, m, &pw, &mut all, false);
+            check(&all, &x, &w, m, k, n, "parallel");
+            for i in 0..m {
+                let mut one = vec![f32::NAN; n];
+                matmul(&x[i * k..(i + 1) * k], 1, &pw, &mut one, false);
+                assert_eq!(one, all[i * n..(i + 1) * n], "row {i} of {m}");
+            }
+        }
+    }
+
+    #[test]
+    fn rows_read_back_from_panels() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
+        let (n, k) = (101, 37);
+        let w = random(&mut rng, n * k);
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (pf, pb) = (PanelWeight::from_f32(n, k, &w), PanelWeight::from_bf16(n, k, &wb));
+        let mut row = vec![0.0; k];
+        for r in [0, 47, 48, 100] {
+            pf.row_f32(r, &mut row);
+            assert_eq!(row, w[r * k..(r + 1) * k]);
+            pb.row_f32(r, &mut row);
+            assert_eq!(row, wb[r * k..(r + 1) * k].iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+        }
+    }
+
+    /// Model-shaped products over distinct weights that stream from DRAM, as in a forward pass
+    /// (400 MB of copies, more than the L3 holds; `GEMM_COPIES=1` for one cache-resident copy),
+    /// f32 and bf16 panels, and the AMX tiles where the CPU has them; `GEMM_M=1,16` picks rows.
+    /// `cargo test --release -p quiver-kernels panel_timing -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn panel_timing() {
+        use super::super::amx;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let ms: Vec<usize> = std::env::var("GEMM_M").ok().map_or(vec![1, 4, 16, 64, 512], |v| v.split(',').filter_map(|s| s.parse().ok()).collect());
+        for &(k, n) in &[(576, 960), (576, 3072), (1536, 576), (576, 49152)] {
+            let copies = std::env::var("GEMM_COPIES").ok().and_then(|v| v.parse().ok()).unwrap_or(((400 << 20) / (n * k * 4)).max(3));
+            let raw: Vec<Vec<f32>> = (0..copies).map(|_| random(&mut rng, n * k)).collect();
+            let pf: Vec<PanelWeight> = raw.iter().map(|w| PanelWeight::from_f32(n, k, w)).collect();
+            let pb: Vec<PanelWeight> = raw.iter().map(|w| PanelWeight::from_bf16(n, k, &w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>())).collect();
+            let tiled: Vec<amx::TiledWeight> = if amx::supported() { raw.iter().map(|w| amx::TiledWeight::from_f32(n, k, w)).collect() } else { Vec::new() };
+            drop(raw);
+            for &m in &ms {
+                let x = random(&mut rng, m * k);
+                let mut y = vec![0.0; m * n];
+                let mut time = |f: &mut dyn FnMut(&mut [f32])| {
+                    let t = std::time::Instant::now();
+                    f(&mut y);
+                    t.elapsed().as_secs_f64() / copies as f64
+                };
+                for _ in 0..if m >= 64 { 1 } else { 3 } {
+                    let tf = time(&mut |y| pf.iter().for_each(|w| matmul(&x, m, w, y, false)));
+                    let tb = time(&mut |y| pb.iter().for_each(|w| matmul(&x, m, w, y, false)));
+                    let ta = time(&mut |y| tiled.iter().for_each(|w| amx::matmul(&x, m, w, y)));
+                    let gf = |dt: f64| 2.0 * (m * n * k) as f64 / dt / 1e9;
+                    let amx = if tiled.is_empty() { String::new() } else { format!(" | amx f32 {:6.1} GFLOP/s", gf(ta)) };
+                    eprintln!("k={k:5} n={n:5} m={m:3}: f32 {:7.1} us {:6.1} GFLOP/s {:5.1} GB/s | bf16 {:7.1} us {:6.1} GFLOP/s{amx}", tf * 1e6, gf(tf), (n * k * 4) as f64 / tf / 1e9, tb * 1e6, gf(tb));
+                }
+            }
+        }
+    }
+}
