@@ -41,19 +41,21 @@ enum PanelData {
     Bf16(AlignedVec<bf16>),
 }
 
-fn pack<T: Copy + Default>(n: usize, k: usize, w: &[T]) -> AlignedVec<T> {
+fn pack<T: Copy + Send + Sync + bytemuck::Zeroable>(n: usize, k: usize, w: &[T]) -> AlignedVec<T> {
     assert_eq!(w.len(), n * k, "panel pack: weight data does not match [{n}, {k}]");
     let panels = n.div_ceil(NP);
-    let mut out = vec![T::default(); panels * NP * k];
-    for (p, panel) in out.chunks_mut(NP * k).enumerate() {
+    // Zeroed pages straight from the allocator: the padding of the last panel stays zero and the
+    // weights are written once, with no staging copy (a model's worth of bytes at load).
+    let mut out = AlignedVec::<T>::zeroed(panels * NP * k);
+    out.par_chunks_mut(NP * k).enumerate().for_each(|(p, panel)| {
         for c in 0..NP.min(n - p * NP) {
             let row = &w[(p * NP + c) * k..(p * NP + c + 1) * k];
             for (kk, &v) in row.iter().enumerate() {
                 panel[kk * NP + c] = v;
             }
         }
-    }
-    AlignedVec::from_slice(&out)
+    });
+    out
 }
 
 impl PanelWeight {
