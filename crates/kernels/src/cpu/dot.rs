@@ -28,7 +28,6 @@ pub(super) trait Simd {
     unsafe fn load_bf16(p: *const bf16) -> Self::V;
     /// `a · b + c` per lane.
     unsafe fn madd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
-    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn splat(v: f32) -> Self::V;
     unsafe fn store(p: *mut f32, v: Self::V);
     /// Hint that the cache line at `p` will be read soon (never faults, any address).
@@ -78,10 +77,6 @@ impl Simd for Portable {
         std::array::from_fn(|l| a[l] * b[l] + c[l])
     }
     #[inline(always)]
-    unsafe fn add(a: Self::V, b: Self::V) -> Self::V {
-        std::array::from_fn(|l| a[l] + b[l])
-    }
-    #[inline(always)]
     unsafe fn splat(v: f32) -> Self::V {
         [v; 8]
     }
@@ -124,11 +119,6 @@ pub(super) mod x86 {
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn madd(a: __m512, b: __m512, c: __m512) -> __m512 {
             _mm512_fmadd_ps(a, b, c)
-        }
-        #[inline]
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        unsafe fn add(a: __m512, b: __m512) -> __m512 {
-            _mm512_add_ps(a, b)
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx2,fma")]
@@ -190,11 +180,6 @@ pub(super) mod x86 {
         #[target_feature(enable = "avx2,fma")]
         unsafe fn madd(a: __m256, b: __m256, c: __m256) -> __m256 {
             _mm256_fmadd_ps(a, b, c)
-        }
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn add(a: __m256, b: __m256) -> __m256 {
-            _mm256_add_ps(a, b)
         }
         #[inline]
         #[target_feature(enable = "avx2,fma")]

@@ -145,7 +145,7 @@ impl Device for CpuDevice {
         match &w.data {
             WeightData::F32(_) | WeightData::Bf16(_) => panic!("CPU matmul given a weight not loaded through Device::load_weight"),
             WeightData::Tiled(t) => amx::matmul(x, m, t, y),
-            WeightData::Panels(p) => panel::matmul(x, m, p, y, false),
+            WeightData::Panels(p) => panel::matmul(x, m, p, y),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(..) => panic!("CPU matmul given a weight in CUDA memory"),
         }

@@ -96,7 +96,6 @@ struct Block<T> {
     n: usize,
     rows: (usize, usize),
     panels: (usize, usize),
-    accumulate: bool,
 }
 
 /// `R` rows of x against `P` panels starting at `w` (each `k·NP` further): `C` vectors of `S::L`
@@ -153,7 +152,7 @@ unsafe fn tile<S: Simd, const R: usize, const P: usize, const C: usize, T: WElem
     }
 }
 
-/// Rows `i0..i0 + R` against panels `p..p + P`, written (or added) to y.
+/// Rows `i0..i0 + R` against panels `p..p + P`, written to y.
 ///
 /// # Safety
 /// See `tile`; `y[i0..i0 + R, p·NP..]` is written by this call only.
@@ -172,21 +171,14 @@ unsafe fn row_tile<S: Simd, const R: usize, const P: usize, const C: usize, T: W
                 let yr = b.y.add((i0 + i) * b.n + j0);
                 if cols == NP {
                     for (c, &v) in part.iter().enumerate() {
-                        let dst = yr.add(c * S::L);
-                        S::store(dst, if b.accumulate { S::add(S::load(dst), v) } else { v });
+                        S::store(yr.add(c * S::L), v);
                     }
                 } else {
                     let mut tmp = [0.0f32; NP];
                     for (c, &v) in part.iter().enumerate() {
                         S::store(tmp.as_mut_ptr().add(c * S::L), v);
                     }
-                    for (j, &v) in tmp[..cols].iter().enumerate() {
-                        if b.accumulate {
-                            *yr.add(j) += v;
-                        } else {
-                            *yr.add(j) = v;
-                        }
-                    }
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), yr, cols);
                 }
             }
         }
@@ -327,14 +319,14 @@ const MAX_BLOCK_ROWS: usize = 64;
 /// Below this many multiply-adds the whole product runs on the calling thread.
 const SEQ_WORK: usize = 64 * 1024;
 
-fn gemm<T: WElem>(x: &[f32], m: usize, k: usize, n: usize, w: &[T], y: &mut [f32], accumulate: bool) {
+fn gemm<T: WElem>(x: &[f32], m: usize, k: usize, n: usize, w: &[T], y: &mut [f32]) {
     let panels = n.div_ceil(NP);
     assert!(x.len() >= m * k && w.len() >= panels * NP * k && y.len() >= m * n, "panel gemm: buffers too small for {m}x{k} · ({n}x{k})ᵀ");
     if m == 0 || n == 0 {
         return;
     }
     let isa = isa();
-    let base = Block { x: x.as_ptr(), w: w.as_ptr(), y: y.as_mut_ptr(), k, n, rows: (0, m), panels: (0, panels), accumulate };
+    let base = Block { x: x.as_ptr(), w: w.as_ptr(), y: y.as_mut_ptr(), k, n, rows: (0, m), panels: (0, panels) };
     let threads = rayon::current_num_threads();
     if threads == 1 || m * n * k < SEQ_WORK {
         // SAFETY: one block covering all of y, on this thread; the assert bounds x, W and y.
@@ -364,11 +356,11 @@ fn gemm<T: WElem>(x: &[f32], m: usize, k: usize, n: usize, w: &[T], y: &mut [f32
     });
 }
 
-/// `y = x · Wᵀ` (or `y += …` with `accumulate`), x `[m, k]`, y `[m, n]`.
-pub fn matmul(x: &[f32], m: usize, w: &PanelWeight, y: &mut [f32], accumulate: bool) {
+/// `y = x · Wᵀ`, x `[m, k]`, y `[m, n]`.
+pub fn matmul(x: &[f32], m: usize, w: &PanelWeight, y: &mut [f32]) {
     match &w.data {
-        PanelData::F32(v) => gemm(x, m, w.k, w.n, v, y, accumulate),
-        PanelData::Bf16(v) => gemm(x, m, w.k, w.n, v, y, accumulate),
+        PanelData::F32(v) => gemm(x, m, w.k, w.n, v, y),
+        PanelData::Bf16(v) => gemm(x, m, w.k, w.n, v, y),
     }
 }
 
@@ -418,16 +410,16 @@ mod tests {
     }
 
     /// One block over all of y with a given instruction set.
-    fn run(isa: Isa, x: &[f32], m: usize, w: &PanelWeight, y0: Option<&[f32]>) -> Vec<f32> {
-        let mut y = y0.map_or_else(|| vec![f32::NAN; m * w.n], |v| v.to_vec());
-        fn go<T: WElem>(isa: Isa, x: &[f32], m: usize, w: &PanelWeight, v: &[T], y: &mut [f32], accumulate: bool) {
-            let b = Block { x: x.as_ptr(), w: v.as_ptr(), y: y.as_mut_ptr(), k: w.k, n: w.n, rows: (0, m), panels: (0, w.n.div_ceil(NP)), accumulate };
+    fn run(isa: Isa, x: &[f32], m: usize, w: &PanelWeight) -> Vec<f32> {
+        let mut y = vec![f32::NAN; m * w.n];
+        fn go<T: WElem>(isa: Isa, x: &[f32], m: usize, w: &PanelWeight, v: &[T], y: &mut [f32]) {
+            let b = Block { x: x.as_ptr(), w: v.as_ptr(), y: y.as_mut_ptr(), k: w.k, n: w.n, rows: (0, m), panels: (0, w.n.div_ceil(NP)) };
             // SAFETY: one block over all of y; `isa` was detected on this CPU.
             unsafe { run_block(isa, &b) }
         }
         match &w.data {
-            PanelData::F32(v) => go(isa, x, m, w, v, &mut y, y0.is_some()),
-            PanelData::Bf16(v) => go(isa, x, m, w, v, &mut y, y0.is_some()),
+            PanelData::F32(v) => go(isa, x, m, w, v, &mut y),
+            PanelData::Bf16(v) => go(isa, x, m, w, v, &mut y),
         }
         y
     }
@@ -442,18 +434,13 @@ mod tests {
             let wr: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
             let (pf, pb) = (PanelWeight::from_f32(n, k, &w), PanelWeight::from_bf16(n, k, &wb));
             for isa in isas() {
-                let (yf, yb) = (run(isa, &x, m, &pf, None), run(isa, &x, m, &pb, None));
+                let (yf, yb) = (run(isa, &x, m, &pf), run(isa, &x, m, &pb));
                 check(&yf, &x, &w, m, k, n, &format!("{isa:?} f32"));
                 check(&yb, &x, &wr, m, k, n, &format!("{isa:?} bf16"));
                 for i in 0..m {
                     let row = &x[i * k..(i + 1) * k];
-                    assert_eq!(run(isa, row, 1, &pf, None), yf[i * n..(i + 1) * n], "{isa:?} f32 row {i} of {m}");
-                    assert_eq!(run(isa, row, 1, &pb, None), yb[i * n..(i + 1) * n], "{isa:?} bf16 row {i} of {m}");
-                }
-                let y0 = random(&mut rng, m * n);
-                let acc = run(isa, &x, m, &pf, Some(&y0));
-                for ((a, p), b) in acc.iter().zip(&yf).zip(&y0) {
-                    assert_eq!(*a, p + b, "{isa:?} accumulate");
+                    assert_eq!(run(isa, row, 1, &pf), yf[i * n..(i + 1) * n], "{isa:?} f32 row {i} of {m}");
+                    assert_eq!(run(isa, row, 1, &pb), yb[i * n..(i + 1) * n], "{isa:?} bf16 row {i} of {m}");
                 }
             }
         }
@@ -469,11 +456,11 @@ mod tests {
             let w = random(&mut rng, n * k);
             let pw = PanelWeight::from_f32(n, k, &w);
             let mut all = vec![f32::NAN; m * n];
-            matmul(&x, m, &pw, &mut all, false);
+            matmul(&x, m, &pw, &mut all);
             check(&all, &x, &w, m, k, n, "parallel");
             for i in 0..m {
                 let mut one = vec![f32::NAN; n];
-                matmul(&x[i * k..(i + 1) * k], 1, &pw, &mut one, false);
+                matmul(&x[i * k..(i + 1) * k], 1, &pw, &mut one);
                 assert_eq!(one, all[i * n..(i + 1) * n], "row {i} of {m}");
             }
         }
@@ -521,8 +508,8 @@ mod tests {
                     t.elapsed().as_secs_f64() / copies as f64
                 };
                 for _ in 0..if m >= 64 { 1 } else { 3 } {
-                    let tf = time(&mut |y| pf.iter().for_each(|w| matmul(&x, m, w, y, false)));
-                    let tb = time(&mut |y| pb.iter().for_each(|w| matmul(&x, m, w, y, false)));
+                    let tf = time(&mut |y| pf.iter().for_each(|w| matmul(&x, m, w, y)));
+                    let tb = time(&mut |y| pb.iter().for_each(|w| matmul(&x, m, w, y)));
                     let ta = time(&mut |y| tiled.iter().for_each(|w| amx::matmul(&x, m, w, y)));
                     let gf = |dt: f64| 2.0 * (m * n * k) as f64 / dt / 1e9;
                     let amx = if tiled.is_empty() { String::new() } else { format!(" | amx f32 {:6.1} GFLOP/s", gf(ta)) };
