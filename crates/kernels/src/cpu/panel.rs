@@ -1,16 +1,18 @@
 //! `y = x · Wᵀ` on weights packed once at load into column panels: the CPU device's GEMM for
 //! every model weight, at every M.
 //!
-//! **Layout.** W `[n, k]` becomes `⌈n / NP⌉` panels of `NP` output columns; panel `p` holds
-//! `W[p·NP + c, kk]` at `(p·k + kk)·NP + c`, so one k step of a panel is `NP` contiguous values
-//! and a whole panel is one contiguous `k·NP` run. The last panel is zero-padded.
+//! **Layout.** W `[n, k]` becomes `⌈n / np⌉` panels of `np` output columns; panel `p` holds
+//! `W[p·np + c, kk]` at `(p·k + kk)·np + c`, so one k step of a panel is `np` contiguous values
+//! and a whole panel is one contiguous `k·np` run. The last panel is zero-padded. The panel width
+//! is the instruction set's (see [`Shape`]): 48 columns (three vectors) with AVX-512's 32
+//! registers, 16 (two vectors) with AVX2's 16.
 //!
-//! **Kernel.** A register tile is `R ≤ MR` rows of x × one panel (`NP / L` vectors): per k step
-//! it loads the panel's `NP` values once and multiplies them by each row's `x[i, kk]` broadcast.
+//! **Kernel.** A register tile is `R ≤ MR` rows of x × one panel (`np / L` vectors): per k step
+//! it loads the panel's `np` values once and multiplies them by each row's `x[i, kk]` broadcast.
 //! Compared with the dot-product tiles of `dot.rs`, which ran the weight GEMM before: no lane
 //! reduction per element, one sequential stream per task instead of four short rows per tile,
-//! and all 16 rows of a decode step in two passes over a panel that stays in L2. Measured on
-//! SmolLM2 f32 (BENCHMARKS.md): 64-row decode +20–27%, 16-row +8–15%, prefill +0–16%.
+//! and all 16 rows of a decode step in two or three passes over a panel that stays in L2.
+//! Measured on SmolLM2 f32 (BENCHMARKS.md): 64-row decode +20–27%, 16-row +8–15%, prefill +0–16%.
 //!
 //! **Invariant: how an element is computed does not depend on M.** `y[i, j]` is one f32 chain
 //! `acc = x[i, kk] · W[j, kk] + acc` for kk = 0, 1, …, k − 1 from zero (a fused multiply-add
@@ -26,13 +28,41 @@ use crate::aligned::AlignedVec;
 use half::bf16;
 use rayon::prelude::*;
 
-/// Output columns per panel: three AVX-512 vectors, six AVX2 or portable ones.
-pub const NP: usize = 48;
+/// The register-tile geometry of one instruction set.
+///
+/// A tile of `R` rows × `P` panels holds `R·P·np/L` accumulators plus the `P·np/L` W vectors of
+/// one k step and a broadcast x: AVX-512 (32 registers) takes 8 rows × 48 columns (24 + 3 + 1),
+/// AVX2 (16 registers) 6 rows × 16 columns (12 + 2 + 1), the classic shape for FMA units of
+/// latency 4 and two ports (12 independent chains). Before AVX2 had its own shape it ran 2 rows
+/// × 48 columns (12 + 6 + 1: spilled) and large products reached ~40% of the FMA peak.
+pub(super) struct Shape {
+    /// Output columns per panel.
+    pub np: usize,
+    /// Rows of x per register tile at most.
+    pub mr: usize,
+    /// Panels per tile for blocks of 1, 2, 3, 4 rows (index 0 unused): single-pass blocks read
+    /// several panels at once for more independent streams of W, as registers allow.
+    pub short_p: [usize; 5],
+}
+
+const AVX512_SHAPE: Shape = Shape { np: 48, mr: 8, short_p: [0, 2, 2, 2, 2] };
+const AVX2_SHAPE: Shape = Shape { np: 16, mr: 6, short_p: [0, 4, 2, 1, 1] };
+const PORTABLE_SHAPE: Shape = Shape { np: 16, mr: 4, short_p: [0, 2, 1, 1, 1] };
+
+pub(super) fn shape(isa: Isa) -> &'static Shape {
+    match isa {
+        Isa::Avx512 => &AVX512_SHAPE,
+        Isa::Avx2 => &AVX2_SHAPE,
+        Isa::Portable => &PORTABLE_SHAPE,
+    }
+}
 
 /// A weight `[n, k]` in panels (see the module docs), f32 or bf16 (widened in registers).
 pub struct PanelWeight {
     n: usize,
     k: usize,
+    /// Panel width, fixed at packing for the instruction set that will run the weight.
+    np: usize,
     data: PanelData,
 }
 
@@ -41,17 +71,17 @@ enum PanelData {
     Bf16(AlignedVec<bf16>),
 }
 
-fn pack<T: Copy + Send + Sync + bytemuck::Zeroable>(n: usize, k: usize, w: &[T]) -> AlignedVec<T> {
+fn pack<T: Copy + Send + Sync + bytemuck::Zeroable>(n: usize, k: usize, np: usize, w: &[T]) -> AlignedVec<T> {
     assert_eq!(w.len(), n * k, "panel pack: weight data does not match [{n}, {k}]");
-    let panels = n.div_ceil(NP);
+    let panels = n.div_ceil(np);
     // Zeroed pages straight from the allocator: the padding of the last panel stays zero and the
     // weights are written once, with no staging copy (a model's worth of bytes at load).
-    let mut out = AlignedVec::<T>::zeroed(panels * NP * k);
-    out.par_chunks_mut(NP * k).enumerate().for_each(|(p, panel)| {
-        for c in 0..NP.min(n - p * NP) {
-            let row = &w[(p * NP + c) * k..(p * NP + c + 1) * k];
+    let mut out = AlignedVec::<T>::zeroed(panels * np * k);
+    out.par_chunks_mut(np * k).enumerate().for_each(|(p, panel)| {
+        for c in 0..np.min(n - p * np) {
+            let row = &w[(p * np + c) * k..(p * np + c + 1) * k];
             for (kk, &v) in row.iter().enumerate() {
-                panel[kk * NP + c] = v;
+                panel[kk * np + c] = v;
             }
         }
     });
@@ -60,10 +90,19 @@ fn pack<T: Copy + Send + Sync + bytemuck::Zeroable>(n: usize, k: usize, w: &[T])
 
 impl PanelWeight {
     pub fn from_f32(n: usize, k: usize, w: &[f32]) -> Self {
-        PanelWeight { n, k, data: PanelData::F32(pack(n, k, w)) }
+        Self::from_f32_for(isa(), n, k, w)
     }
     pub fn from_bf16(n: usize, k: usize, w: &[bf16]) -> Self {
-        PanelWeight { n, k, data: PanelData::Bf16(pack(n, k, w)) }
+        Self::from_bf16_for(isa(), n, k, w)
+    }
+    /// Packed for `isa`'s panel width; only that instruction set may run it.
+    fn from_f32_for(isa: Isa, n: usize, k: usize, w: &[f32]) -> Self {
+        let np = shape(isa).np;
+        PanelWeight { n, k, np, data: PanelData::F32(pack(n, k, np, w)) }
+    }
+    fn from_bf16_for(isa: Isa, n: usize, k: usize, w: &[bf16]) -> Self {
+        let np = shape(isa).np;
+        PanelWeight { n, k, np, data: PanelData::Bf16(pack(n, k, np, w)) }
     }
     pub fn is_f32(&self) -> bool {
         matches!(self.data, PanelData::F32(_))
@@ -77,16 +116,17 @@ impl PanelWeight {
     /// Row `r` of W (an embedding row, for tied tables) converted to f32 into `out` (len `k`).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         assert!(r < self.n, "panel row {r} of {}", self.n);
-        let (p, c) = (r / NP, r % NP);
-        let base = p * NP * self.k + c;
+        let np = self.np;
+        let (p, c) = (r / np, r % np);
+        let base = p * np * self.k + c;
         match &self.data {
-            PanelData::F32(v) => out.iter_mut().enumerate().for_each(|(kk, o)| *o = v[base + kk * NP]),
-            PanelData::Bf16(v) => out.iter_mut().enumerate().for_each(|(kk, o)| *o = v[base + kk * NP].to_f32()),
+            PanelData::F32(v) => out.iter_mut().enumerate().for_each(|(kk, o)| *o = v[base + kk * np]),
+            PanelData::Bf16(v) => out.iter_mut().enumerate().for_each(|(kk, o)| *o = v[base + kk * np].to_f32()),
         }
     }
 }
 
-/// What one task computes: `y[rows, panels]`; `y` has row stride `n`.
+/// What one task computes: `y[rows, panels]`; `y` has row stride `n`; W in panels of `np`.
 #[derive(Clone, Copy)]
 struct Block<T> {
     x: *const f32,
@@ -94,15 +134,22 @@ struct Block<T> {
     y: *mut f32,
     k: usize,
     n: usize,
+    np: usize,
     rows: (usize, usize),
     panels: (usize, usize),
 }
 
-/// `R` rows of x against `P` panels starting at `w` (each `k·NP` further): `C` vectors of `S::L`
-/// columns per panel, `C · S::L = NP`. Several panels at once give small row counts more
+/// Vectors between two near prefetches of one k step: one hint per 64-byte line, not per vector.
+const fn prefetch_every<S: Simd, T>() -> usize {
+    let v = S::L * std::mem::size_of::<T>();
+    if v >= 64 { 1 } else { 64 / v }
+}
+
+/// `R` rows of x against `P` panels starting at `w` (each `k·np` further): `C` vectors of `S::L`
+/// columns per panel, `np = C · S::L`. Several panels at once give small row counts more
 /// independent streams of W in flight; each element is still its own chain.
 ///
-/// Besides the near prefetch (`PREFETCH_STEPS` ahead in the panels being read), every `every`
+/// Besides the near prefetch (`PREFETCH_ELEMS` ahead in the panels being read), every `every`
 /// k steps one k step of `P` panels at `far` is fetched into L2: the panels the next tile or pass
 /// reads first, spread so that a panel read in `every` row passes has the next one in L2 when
 /// they finish (DRAM stays busy during passes that read from L2). Measured +20–30% GB/s on
@@ -115,16 +162,19 @@ struct Block<T> {
 #[inline(always)]
 unsafe fn tile<S: Simd, const R: usize, const P: usize, const C: usize, T: WElem>(xs: [*const f32; R], w: *const T, k: usize, far: *const T, every: usize) -> [[[S::V; C]; P]; R] {
     unsafe {
+        let np = C * S::L;
         let mut acc = [[[S::zero(); C]; P]; R];
         let (mut fp, mut cnt) = (far, 0);
         let mut wp = w;
-        let stride = k * NP;
+        let stride = k * np;
         for kk in 0..k {
             let mut wv = [[S::zero(); C]; P];
             for (q, vq) in wv.iter_mut().enumerate() {
                 for (c, v) in vq.iter_mut().enumerate() {
                     let at = wp.add(q * stride + c * S::L);
-                    S::prefetch(at.wrapping_add(PREFETCH_STEPS * NP) as *const u8);
+                    if c % prefetch_every::<S, T>() == 0 {
+                        S::prefetch(at.wrapping_add(PREFETCH_ELEMS) as *const u8);
+                    }
                     *v = T::load::<S>(at);
                 }
             }
@@ -136,16 +186,16 @@ unsafe fn tile<S: Simd, const R: usize, const P: usize, const C: usize, T: WElem
                     }
                 }
             }
-            wp = wp.add(NP);
+            wp = wp.add(np);
             cnt += 1;
             if cnt == every {
                 cnt = 0;
                 for q in 0..P {
-                    for c in 0..C {
+                    for c in (0..C).step_by(prefetch_every::<S, T>()) {
                         prefetch_l2(fp.wrapping_add(q * stride + c * S::L) as *const u8);
                     }
                 }
-                fp = fp.wrapping_add(NP);
+                fp = fp.wrapping_add(np);
             }
         }
         acc
@@ -155,26 +205,27 @@ unsafe fn tile<S: Simd, const R: usize, const P: usize, const C: usize, T: WElem
 /// Rows `i0..i0 + R` against panels `p..p + P`, written to y.
 ///
 /// # Safety
-/// See `tile`; `y[i0..i0 + R, p·NP..]` is written by this call only.
+/// See `tile`; `y[i0..i0 + R, p·np..]` is written by this call only.
 #[inline(always)]
 unsafe fn row_tile<S: Simd, const R: usize, const P: usize, const C: usize, T: WElem>(b: &Block<T>, i0: usize, p: usize, far: *const T, every: usize) {
     unsafe {
+        let np = C * S::L;
         let mut xs = [b.x; R];
         for (i, x) in xs.iter_mut().enumerate() {
             *x = b.x.add((i0 + i) * b.k);
         }
-        let acc = tile::<S, R, P, C, T>(xs, b.w.add(p * NP * b.k), b.k, far, every);
+        let acc = tile::<S, R, P, C, T>(xs, b.w.add(p * np * b.k), b.k, far, every);
         for (i, row) in acc.iter().enumerate() {
             for (q, part) in row.iter().enumerate() {
-                let j0 = (p + q) * NP;
-                let cols = NP.min(b.n - j0);
+                let j0 = (p + q) * np;
+                let cols = np.min(b.n - j0);
                 let yr = b.y.add((i0 + i) * b.n + j0);
-                if cols == NP {
+                if cols == np {
                     for (c, &v) in part.iter().enumerate() {
                         S::store(yr.add(c * S::L), v);
                     }
                 } else {
-                    let mut tmp = [0.0f32; NP];
+                    let mut tmp = [0.0f32; MAX_NP];
                     for (c, &v) in part.iter().enumerate() {
                         S::store(tmp.as_mut_ptr().add(c * S::L), v);
                     }
@@ -184,6 +235,9 @@ unsafe fn row_tile<S: Simd, const R: usize, const P: usize, const C: usize, T: W
         }
     }
 }
+
+/// The widest panel of any instruction set.
+const MAX_NP: usize = 48;
 
 /// A block of at most `MR` rows: one row tile, `P` panels at a time while `P` remain.
 ///
@@ -205,44 +259,47 @@ unsafe fn short_block<S: Simd, const R: usize, const P: usize, const C: usize, T
 }
 
 /// Every panel of the block against every row tile, panel by panel (the panel then stays in
-/// L1/L2 while the row tiles pass over it). Blocks of one row tile take several panels per
-/// pass instead (see `tile`).
+/// L1/L2 while the row tiles pass over it). Blocks of one row tile (up to 4 rows) take `Pr`
+/// panels per pass instead (see `tile` and [`Shape::short_p`]).
 ///
 /// # Safety
 /// See `row_tile`; the CPU supports `S`.
 #[inline(always)]
-unsafe fn block_body<S: Simd, const MR: usize, const C: usize, T: WElem>(b: &Block<T>) {
+unsafe fn block_body<S: Simd, const MR: usize, const C: usize, const P1: usize, const P2: usize, const P3: usize, const P4: usize, T: WElem>(b: &Block<T>) {
+    debug_assert_eq!(b.np, C * S::L, "weight packed for another instruction set");
     let m = b.rows.1 - b.rows.0;
     unsafe {
         match m {
-            1 => return short_block::<S, 1, SHORT_P, C, T>(b),
-            2 => return short_block::<S, 2, SHORT_P, C, T>(b),
-            3 if MR >= 3 => return short_block::<S, 3, SHORT_P, C, T>(b),
-            4 if MR >= 4 => return short_block::<S, 4, SHORT_P, C, T>(b),
+            1 => return short_block::<S, 1, P1, C, T>(b),
+            2 => return short_block::<S, 2, P2, C, T>(b),
+            3 if MR >= 3 => return short_block::<S, 3, P3, C, T>(b),
+            4 if MR >= 4 => return short_block::<S, 4, P4, C, T>(b),
             _ => {}
         }
     }
     // Pass i of `passes` over panel p prefetches the i-th share of panel p + 1 (see `tile`); a
-    // single pass does not (as for short blocks).
+    // single pass does not (as for short blocks). Rows are spread evenly over the passes (16 rows
+    // in tiles of 6 go 6, 5, 5, not 6, 6, 4).
     let passes = m.div_ceil(MR);
     let every = if passes > 1 { passes } else { 0 };
-    let span = b.k.div_ceil(passes) * NP;
+    let np = C * S::L;
+    let span = b.k.div_ceil(passes) * np;
     for p in b.panels.0..b.panels.1 {
         let mut i0 = b.rows.0;
-        let mut far = b.w.wrapping_add((p + 1) * NP * b.k);
-        while i0 < b.rows.1 {
-            let r = MR.min(b.rows.1 - i0);
+        let mut far = b.w.wrapping_add((p + 1) * np * b.k);
+        for pass in 0..passes {
+            let r = (m - (i0 - b.rows.0)).div_ceil(passes - pass);
             unsafe {
                 match r {
                     1 => row_tile::<S, 1, 1, C, T>(b, i0, p, far, every),
                     2 => row_tile::<S, 2, 1, C, T>(b, i0, p, far, every),
                     3 => row_tile::<S, 3, 1, C, T>(b, i0, p, far, every),
                     4 => row_tile::<S, 4, 1, C, T>(b, i0, p, far, every),
-                    5 => row_tile::<S, 5, 1, C, T>(b, i0, p, far, every),
-                    6 => row_tile::<S, 6, 1, C, T>(b, i0, p, far, every),
-                    7 => row_tile::<S, 7, 1, C, T>(b, i0, p, far, every),
-                    8 => row_tile::<S, 8, 1, C, T>(b, i0, p, far, every),
-                    _ => unreachable!("MR is at most 8"),
+                    5 if MR >= 5 => row_tile::<S, 5, 1, C, T>(b, i0, p, far, every),
+                    6 if MR >= 6 => row_tile::<S, 6, 1, C, T>(b, i0, p, far, every),
+                    7 if MR >= 7 => row_tile::<S, 7, 1, C, T>(b, i0, p, far, every),
+                    8 if MR >= 8 => row_tile::<S, 8, 1, C, T>(b, i0, p, far, every),
+                    _ => unreachable!("a pass has at most MR ≤ 8 rows"),
                 }
             }
             i0 += r;
@@ -251,35 +308,34 @@ unsafe fn block_body<S: Simd, const MR: usize, const C: usize, T: WElem>(b: &Blo
     }
 }
 
+/// The `block_body` of a [`Shape`], its constants spelled out as const arguments.
+macro_rules! shaped_body {
+    ($s:ty, $shape:expr, $t:ty, $b:expr) => {
+        block_body::<$s, { $shape.mr }, { $shape.np / <$s as Simd>::L }, { $shape.short_p[1] }, { $shape.short_p[2] }, { $shape.short_p[3] }, { $shape.short_p[4] }, $t>($b)
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86_entry {
     use super::super::dot::x86::{Avx2, Avx512};
-    use super::{block_body, Block, WElem};
+    use super::super::dot::Simd;
+    use super::{block_body, Block, WElem, AVX2_SHAPE, AVX512_SHAPE};
     /// # Safety
     /// The CPU has AVX-512F; see `row_tile`.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn avx512<T: WElem>(b: &Block<T>) {
-        unsafe { block_body::<Avx512, 8, 3, T>(b) }
+        unsafe { shaped_body!(Avx512, AVX512_SHAPE, T, b) }
     }
     /// # Safety
     /// The CPU has AVX2 and FMA; see `row_tile`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn avx2<T: WElem>(b: &Block<T>) {
-        unsafe { block_body::<Avx2, 2, 6, T>(b) }
-    }
-}
-
-/// Rows of x per register tile on this instruction set.
-fn mr_of(isa: Isa) -> usize {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => 8,
-        _ => 2,
+        unsafe { shaped_body!(Avx2, AVX2_SHAPE, T, b) }
     }
 }
 
 /// # Safety
-/// See `row_tile`; `isa` is what this CPU supports.
+/// See `row_tile`; `isa` is what this CPU supports and what W was packed for.
 unsafe fn run_block<T: WElem>(isa: Isa, b: &Block<T>) {
     unsafe {
         match isa {
@@ -287,15 +343,15 @@ unsafe fn run_block<T: WElem>(isa: Isa, b: &Block<T>) {
             Isa::Avx512 => x86_entry::avx512(b),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => x86_entry::avx2(b),
-            _ => block_body::<Portable, 2, 6, T>(b),
+            _ => shaped_body!(Portable, PORTABLE_SHAPE, T, b),
         }
     }
 }
 
-/// How far ahead in its panel a tile asks for W (k steps of `NP` values; 3 KiB of f32): the
-/// hardware prefetcher stops at every 4 KiB page, a panel is one long run of pages, and past the
-/// panel's end the hint lands on the next panel, which the task reads next.
-const PREFETCH_STEPS: usize = 16;
+/// How far ahead in its panel a tile asks for W, in elements (3 KiB of f32): the hardware
+/// prefetcher stops at every 4 KiB page, a panel is one long run of pages, and past the panel's
+/// end the hint lands on the next panel, which the task reads next.
+const PREFETCH_ELEMS: usize = 768;
 
 /// Hint that the line at `p` will be read soon, into L2 (never faults, any address).
 #[inline(always)]
@@ -309,9 +365,7 @@ fn prefetch_l2(p: *const u8) {
     let _ = p;
 }
 
-/// Blocks of at most `SHORT_ROWS` rows (one pass) take `SHORT_P` panels per tile: two streams of
-/// W in flight instead of one. Four measured worse at one row (33–38 against 43–44 tok/s).
-const SHORT_P: usize = 2;
+/// Blocks of at most this many rows run in one pass (see [`Shape::short_p`]).
 const SHORT_ROWS: usize = 4;
 
 /// Rows of x per task at most: a task's x rows stay in L2 while its panels pass.
@@ -319,30 +373,32 @@ const MAX_BLOCK_ROWS: usize = 64;
 /// Below this many multiply-adds the whole product runs on the calling thread.
 const SEQ_WORK: usize = 64 * 1024;
 
-fn gemm<T: WElem>(x: &[f32], m: usize, k: usize, n: usize, w: &[T], y: &mut [f32]) {
-    let panels = n.div_ceil(NP);
-    assert!(x.len() >= m * k && w.len() >= panels * NP * k && y.len() >= m * n, "panel gemm: buffers too small for {m}x{k} · ({n}x{k})ᵀ");
+fn gemm<T: WElem>(isa: Isa, x: &[f32], m: usize, k: usize, n: usize, np: usize, w: &[T], y: &mut [f32]) {
+    let sh = shape(isa);
+    assert_eq!(np, sh.np, "panel gemm: weight packed {np} wide, {isa:?} runs {}", sh.np);
+    let panels = n.div_ceil(np);
+    assert!(x.len() >= m * k && w.len() >= panels * np * k && y.len() >= m * n, "panel gemm: buffers too small for {m}x{k} · ({n}x{k})ᵀ");
     if m == 0 || n == 0 {
         return;
     }
-    let isa = isa();
-    let base = Block { x: x.as_ptr(), w: w.as_ptr(), y: y.as_mut_ptr(), k, n, rows: (0, m), panels: (0, panels) };
+    let base = Block { x: x.as_ptr(), w: w.as_ptr(), y: y.as_mut_ptr(), k, n, np, rows: (0, m), panels: (0, panels) };
     let threads = rayon::current_num_threads();
     if threads == 1 || m * n * k < SEQ_WORK {
         // SAFETY: one block covering all of y, on this thread; the assert bounds x, W and y.
         unsafe { run_block(isa, &base) };
         return;
     }
-    let mr = mr_of(isa);
+    let mr = sh.mr;
     let bm = if m <= MAX_BLOCK_ROWS { m } else { MAX_BLOCK_ROWS / mr * mr };
     let mblocks = m.div_ceil(bm);
+    let short = m <= SHORT_ROWS.min(mr);
     // Enough tasks for load balance on a shared machine, few enough that each streams a long
     // run of panels (the far prefetch never covers a task's first panel). Single-pass blocks
     // are light per byte, so they take more, shorter tasks.
-    let want = (threads * if m <= SHORT_ROWS.min(mr) { 16 } else { 4 }).div_ceil(mblocks);
+    let want = (threads * if short { 16 } else { 4 }).div_ceil(mblocks);
     let mut bp = panels.div_ceil(want).max(1);
-    if m <= SHORT_ROWS.min(mr) {
-        bp = bp.next_multiple_of(SHORT_P);
+    if short {
+        bp = bp.next_multiple_of(sh.short_p[m]);
     }
     let pblocks = panels.div_ceil(bp);
     let (xp, wp, yp) = (SyncPtr(base.x), SyncPtr(base.w), SyncPtr(base.y as *const f32));
@@ -359,8 +415,8 @@ fn gemm<T: WElem>(x: &[f32], m: usize, k: usize, n: usize, w: &[T], y: &mut [f32
 /// `y = x · Wᵀ`, x `[m, k]`, y `[m, n]`.
 pub fn matmul(x: &[f32], m: usize, w: &PanelWeight, y: &mut [f32]) {
     match &w.data {
-        PanelData::F32(v) => gemm(x, m, w.k, w.n, v, y),
-        PanelData::Bf16(v) => gemm(x, m, w.k, w.n, v, y),
+        PanelData::F32(v) => gemm(isa(), x, m, w.k, w.n, w.np, v, y),
+        PanelData::Bf16(v) => gemm(isa(), x, m, w.k, w.n, w.np, v, y),
     }
 }
 
@@ -413,7 +469,8 @@ mod tests {
     fn run(isa: Isa, x: &[f32], m: usize, w: &PanelWeight) -> Vec<f32> {
         let mut y = vec![f32::NAN; m * w.n];
         fn go<T: WElem>(isa: Isa, x: &[f32], m: usize, w: &PanelWeight, v: &[T], y: &mut [f32]) {
-            let b = Block { x: x.as_ptr(), w: v.as_ptr(), y: y.as_mut_ptr(), k: w.k, n: w.n, rows: (0, m), panels: (0, w.n.div_ceil(NP)) };
+            let b = Block { x: x.as_ptr(), w: v.as_ptr(), y: y.as_mut_ptr(), k: w.k, n: w.n, np: w.np, rows: (0, m), panels: (0, w.n.div_ceil(w.np)) };
+            assert_eq!(w.np, shape(isa).np);
             // SAFETY: one block over all of y; `isa` was detected on this CPU.
             unsafe { run_block(isa, &b) }
         }
@@ -427,13 +484,13 @@ mod tests {
     #[test]
     fn every_isa_is_accurate_and_batch_invariant_on_odd_shapes() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
-        for &(m, k, n) in &[(1, 1, 1), (3, 7, 5), (9, 45, 13), (8, 16, 48), (16, 100, 97), (17, 33, 49), (5, 577, 131), (13, 64, 96)] {
+        for &(m, k, n) in &[(1, 1, 1), (2, 9, 70), (3, 7, 5), (4, 31, 33), (6, 20, 16), (7, 8, 100), (9, 45, 13), (8, 16, 48), (12, 50, 65), (16, 100, 97), (17, 33, 49), (5, 577, 131), (13, 64, 96)] {
             let x = random(&mut rng, m * k);
             let w = random(&mut rng, n * k);
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
             let wr: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
-            let (pf, pb) = (PanelWeight::from_f32(n, k, &w), PanelWeight::from_bf16(n, k, &wb));
             for isa in isas() {
+                let (pf, pb) = (PanelWeight::from_f32_for(isa, n, k, &w), PanelWeight::from_bf16_for(isa, n, k, &wb));
                 let (yf, yb) = (run(isa, &x, m, &pf), run(isa, &x, m, &pb));
                 check(&yf, &x, &w, m, k, n, &format!("{isa:?} f32"));
                 check(&yb, &x, &wr, m, k, n, &format!("{isa:?} bf16"));
@@ -472,13 +529,15 @@ mod tests {
         let (n, k) = (101, 37);
         let w = random(&mut rng, n * k);
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-        let (pf, pb) = (PanelWeight::from_f32(n, k, &w), PanelWeight::from_bf16(n, k, &wb));
         let mut row = vec![0.0; k];
-        for r in [0, 47, 48, 100] {
-            pf.row_f32(r, &mut row);
-            assert_eq!(row, w[r * k..(r + 1) * k]);
-            pb.row_f32(r, &mut row);
-            assert_eq!(row, wb[r * k..(r + 1) * k].iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+        for isa in isas() {
+            let (pf, pb) = (PanelWeight::from_f32_for(isa, n, k, &w), PanelWeight::from_bf16_for(isa, n, k, &wb));
+            for r in [0, 15, 16, 47, 48, 100] {
+                pf.row_f32(r, &mut row);
+                assert_eq!(row, w[r * k..(r + 1) * k], "{isa:?} row {r}");
+                pb.row_f32(r, &mut row);
+                assert_eq!(row, wb[r * k..(r + 1) * k].iter().map(|v| v.to_f32()).collect::<Vec<_>>(), "{isa:?} row {r}");
+            }
         }
     }
 
