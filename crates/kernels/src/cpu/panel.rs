@@ -373,7 +373,8 @@ const MAX_BLOCK_ROWS: usize = 64;
 /// Below this many multiply-adds the whole product runs on the calling thread.
 const SEQ_WORK: usize = 64 * 1024;
 
-fn gemm<T: WElem>(isa: Isa, x: &[f32], m: usize, k: usize, n: usize, np: usize, w: &[T], y: &mut [f32]) {
+fn gemm<T: WElem>(isa: Isa, x: &[f32], m: usize, pw: &PanelWeight, w: &[T], y: &mut [f32]) {
+    let (k, n, np) = (pw.k, pw.n, pw.np);
     let sh = shape(isa);
     assert_eq!(np, sh.np, "panel gemm: weight packed {np} wide, {isa:?} runs {}", sh.np);
     let panels = n.div_ceil(np);
@@ -415,8 +416,8 @@ fn gemm<T: WElem>(isa: Isa, x: &[f32], m: usize, k: usize, n: usize, np: usize, 
 /// `y = x · Wᵀ`, x `[m, k]`, y `[m, n]`.
 pub fn matmul(x: &[f32], m: usize, w: &PanelWeight, y: &mut [f32]) {
     match &w.data {
-        PanelData::F32(v) => gemm(isa(), x, m, w.k, w.n, w.np, v, y),
-        PanelData::Bf16(v) => gemm(isa(), x, m, w.k, w.n, w.np, v, y),
+        PanelData::F32(v) => gemm(isa(), x, m, w, v, y),
+        PanelData::Bf16(v) => gemm(isa(), x, m, w, v, y),
     }
 }
 
