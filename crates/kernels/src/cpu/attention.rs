@@ -70,12 +70,33 @@ impl Group<'_> {
     }
 }
 
-/// Queries `q0..q0 + R` of `g`, written to `out` (row stride `n_heads·hd`).
+/// Scores of queries `xs` against the `NR` keys `ws`, scaled, into rows `i0..` of `sc` (row
+/// stride `cmax`) at column `t0` (the keys past `cmax` are dropped).
+///
+/// # Safety
+/// q rows and K rows hold `hd` readable floats; the CPU supports `S`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn qk_scores<S: Simd, const N: usize>(xs: &[*const f32], ws: [*const f32; NR], hd: usize, scale: f32, sc: &mut [f32], i0: usize, cmax: usize, t0: usize) {
+    let x: [*const f32; N] = std::array::from_fn(|i| xs[i]);
+    let d = unsafe { tile::<S, N, f32>(x, ws, hd) };
+    for (i, row) in d.iter().enumerate() {
+        for (j, &v) in row.iter().enumerate().take(cmax - t0) {
+            sc[(i0 + i) * cmax + t0 + j] = v * scale;
+        }
+    }
+}
+
+/// Queries `q0..q0 + R` of `g`, written to `out` (row stride `n_heads·hd`). Scores take `QR`
+/// queries per dot-product tile and the weighted sum `VC` vectors of the head dim per register
+/// tile, both what the instruction set's registers hold: AVX-512 (32) 6 × 4 keys and 6 × 4
+/// vectors; AVX2 (16) 3 × 4 keys and 6 × 2 vectors (with 6 queries in both, AVX2 spilled 24
+/// accumulators every step).
 ///
 /// # Safety
 /// The queries' output rows are this call's alone; the CPU supports `S`.
 #[inline(always)]
-unsafe fn tile_queries<S: Simd, const R: usize>(g: &Group<'_>, q0: usize, out: *mut f32, scores: &mut Vec<f32>) {
+unsafe fn tile_queries<S: Simd, const R: usize, const QR: usize, const VC: usize>(g: &Group<'_>, q0: usize, out: *mut f32, scores: &mut Vec<f32>) {
     let hd = g.hd;
     let mut xs = [std::ptr::null::<f32>(); R];
     let mut ctx = [0usize; R];
@@ -93,12 +114,22 @@ unsafe fn tile_queries<S: Simd, const R: usize>(g: &Group<'_>, q0: usize, out: *
     let mut t0 = 0;
     while t0 < cmax {
         let ws: [*const f32; NR] = std::array::from_fn(|j| g.kc[g.kv_at((t0 + j).min(cmax - 1))..].as_ptr());
-        // SAFETY: q rows and K rows hold hd readable floats; the CPU supports S (caller).
-        let d = unsafe { tile::<S, R, f32>(xs, ws, hd) };
-        for (i, row) in d.iter().enumerate() {
-            for (j, &v) in row.iter().enumerate().take(cmax - t0) {
-                sc[i * cmax + t0 + j] = v * g.scale;
+        let mut i0 = 0;
+        while i0 < R {
+            let n = QR.min(R - i0);
+            let x = &xs[i0..];
+            // SAFETY: q rows and K rows hold hd readable floats; the CPU supports S (caller).
+            unsafe {
+                match n {
+                    1 => qk_scores::<S, 1>(x, ws, hd, g.scale, sc, i0, cmax, t0),
+                    2 => qk_scores::<S, 2>(x, ws, hd, g.scale, sc, i0, cmax, t0),
+                    3 => qk_scores::<S, 3>(x, ws, hd, g.scale, sc, i0, cmax, t0),
+                    4 => qk_scores::<S, 4>(x, ws, hd, g.scale, sc, i0, cmax, t0),
+                    5 => qk_scores::<S, 5>(x, ws, hd, g.scale, sc, i0, cmax, t0),
+                    _ => qk_scores::<S, 6>(x, ws, hd, g.scale, sc, i0, cmax, t0),
+                }
             }
+            i0 += n;
         }
         t0 += NR;
     }
@@ -110,7 +141,7 @@ unsafe fn tile_queries<S: Simd, const R: usize>(g: &Group<'_>, q0: usize, out: *
         s[..c].iter_mut().for_each(|p| *p *= inv);
         s[c..].fill(0.0);
     }
-    // o = Σ_t p_t · v_t: blocks of four vectors of the head dim, then single vectors, then
+    // o = Σ_t p_t · v_t: blocks of VC vectors of the head dim, then single vectors, then
     // single elements.
     let ld = g.n_heads * hd;
     let orows: [*mut f32; R] = std::array::from_fn(|i| {
@@ -119,10 +150,10 @@ unsafe fn tile_queries<S: Simd, const R: usize>(g: &Group<'_>, q0: usize, out: *
         unsafe { out.add(r * ld + h * hd) }
     });
     let mut d0 = 0;
-    while d0 + 4 * S::L <= hd {
-        // SAFETY: d0 + 4·L ≤ hd: inside every V row and output row.
-        unsafe { weighted_sum::<S, R, 4>(g, sc, cmax, d0, orows) };
-        d0 += 4 * S::L;
+    while d0 + VC * S::L <= hd {
+        // SAFETY: d0 + VC·L ≤ hd: inside every V row and output row.
+        unsafe { weighted_sum::<S, R, VC>(g, sc, cmax, d0, orows) };
+        d0 += VC * S::L;
     }
     while d0 + S::L <= hd {
         // SAFETY: as above.
@@ -177,19 +208,19 @@ unsafe fn weighted_sum<S: Simd, const R: usize, const C: usize>(g: &Group<'_>, p
 /// # Safety
 /// See `tile_queries`.
 #[inline(always)]
-unsafe fn run_queries<S: Simd>(g: &Group<'_>, q0: usize, q1: usize, out: *mut f32, sc: &mut Vec<f32>) {
+unsafe fn run_queries<S: Simd, const QR: usize, const VC: usize>(g: &Group<'_>, q0: usize, q1: usize, out: *mut f32, sc: &mut Vec<f32>) {
     let mut q = q0;
     while q < q1 {
         let r = MR.min(q1 - q);
         // SAFETY: forwarded from the caller.
         unsafe {
             match r {
-                1 => tile_queries::<S, 1>(g, q, out, sc),
-                2 => tile_queries::<S, 2>(g, q, out, sc),
-                3 => tile_queries::<S, 3>(g, q, out, sc),
-                4 => tile_queries::<S, 4>(g, q, out, sc),
-                5 => tile_queries::<S, 5>(g, q, out, sc),
-                _ => tile_queries::<S, 6>(g, q, out, sc),
+                1 => tile_queries::<S, 1, QR, VC>(g, q, out, sc),
+                2 => tile_queries::<S, 2, QR, VC>(g, q, out, sc),
+                3 => tile_queries::<S, 3, QR, VC>(g, q, out, sc),
+                4 => tile_queries::<S, 4, QR, VC>(g, q, out, sc),
+                5 => tile_queries::<S, 5, QR, VC>(g, q, out, sc),
+                _ => tile_queries::<S, 6, QR, VC>(g, q, out, sc),
             }
         }
         q += r;
@@ -204,13 +235,13 @@ mod x86_entry {
     /// The CPU has AVX-512F; see `tile_queries`.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn avx512(g: &Group<'_>, q0: usize, q1: usize, out: *mut f32, sc: &mut Vec<f32>) {
-        unsafe { super::run_queries::<Avx512>(g, q0, q1, out, sc) }
+        unsafe { super::run_queries::<Avx512, 6, 4>(g, q0, q1, out, sc) }
     }
     /// # Safety
     /// The CPU has AVX2 and FMA; see `tile_queries`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn avx2(g: &Group<'_>, q0: usize, q1: usize, out: *mut f32, sc: &mut Vec<f32>) {
-        unsafe { super::run_queries::<Avx2>(g, q0, q1, out, sc) }
+        unsafe { super::run_queries::<Avx2, 3, 2>(g, q0, q1, out, sc) }
     }
 }
 
@@ -225,7 +256,7 @@ unsafe fn run(isa: Isa, g: &Group<'_>, q0: usize, q1: usize, out: *mut f32) {
                 Isa::Avx512 => x86_entry::avx512(g, q0, q1, out, sc),
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 => x86_entry::avx2(g, q0, q1, out, sc),
-                _ => run_queries::<Portable>(g, q0, q1, out, sc),
+                _ => run_queries::<Portable, 2, 2>(g, q0, q1, out, sc),
             }
         }
     })
