@@ -11,8 +11,8 @@
 //! are summed by a fixed halving tree. Which rows share a tile, and how many, never changes it,
 //! so callers get results independent of how rows are batched.
 //!
-//! The lane count and FMA-or-not depend on the instruction set (AVX-512: 16 lanes, 6×4 tiles;
-//! AVX2+FMA: 8 lanes, 2×4; portable: 8 lanes, no FMA), chosen once per process at run time, so
+//! The lane count and FMA-or-not depend on the instruction set (AVX-512: 16 lanes; AVX2+FMA: 8
+//! lanes; portable: 8 lanes, no FMA; callers pick the rows per tile), chosen once per process, so
 //! results are reproducible on one machine but may differ in the last bits between machines.
 
 use half::bf16;
@@ -21,8 +21,6 @@ use half::bf16;
 pub(super) trait Simd {
     type V: Copy;
     const L: usize;
-    /// Rows of x per register tile (× `NR` rows of W).
-    const MR: usize;
     unsafe fn zero() -> Self::V;
     unsafe fn load(p: *const f32) -> Self::V;
     unsafe fn load_bf16(p: *const bf16) -> Self::V;
@@ -58,7 +56,6 @@ pub(super) struct Portable;
 impl Simd for Portable {
     type V = [f32; 8];
     const L: usize = 8;
-    const MR: usize = 2;
     #[inline(always)]
     unsafe fn zero() -> Self::V {
         [0.0; 8]
@@ -99,7 +96,6 @@ pub(super) mod x86 {
     impl Simd for Avx512 {
         type V = __m512;
         const L: usize = 16;
-        const MR: usize = 6;
         #[inline]
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn zero() -> __m512 {
@@ -160,7 +156,6 @@ pub(super) mod x86 {
     impl Simd for Avx2 {
         type V = __m256;
         const L: usize = 8;
-        const MR: usize = 2;
         #[inline]
         #[target_feature(enable = "avx2,fma")]
         unsafe fn zero() -> __m256 {

@@ -5,7 +5,7 @@
 //!   so grouping rows by adapter copies nothing. Every element is a [`tile`] element, computed
 //!   exactly as the base GEMM computes one: its value does not depend on which rows or A rows
 //!   share its tile.
-//! - **Expand** `y_{row(i)}[c] += Σ_k (alpha · t[i, k]) · bᵀ[k, c]`: register tiles of up to `MR`
+//! - **Expand** `y_{row(i)}[c] += Σ_k (alpha · t[i, k]) · bᵀ[k, c]`: register tiles of up to 6
 //!   rows × one block of `C` vectors of columns; a block of Bᵀ (`r × C·L` floats, 4 KiB at rank 16
 //!   on AVX-512) stays in L1 while every row tile of the call passes over it, and each Bᵀ vector
 //!   loaded serves the whole row tile. Every element starts from `y` and adds the `r` products in
@@ -70,10 +70,10 @@ macro_rules! by_rows {
 /// # Safety
 /// See [`lora_shrink`]; the CPU must support `S`.
 #[inline(always)]
-unsafe fn shrink_body<S: Simd>(s: &Shrink<'_>) {
+unsafe fn shrink_body<S: Simd, const SR: usize>(s: &Shrink<'_>) {
     let mut i0 = 0;
     while i0 < s.rows {
-        let rows = S::MR.min(s.rows - i0);
+        let rows = SR.min(s.rows - i0);
         unsafe { by_rows!(rows, shrink_tile::<S>(s, i0)) };
         i0 += rows;
     }
@@ -110,7 +110,7 @@ unsafe fn shrink_tile<S: Simd, const R: usize>(s: &Shrink<'_>, i0: usize) {
 /// # Safety
 /// See [`lora_expand`]; the CPU must support `S`.
 #[inline(always)]
-unsafe fn expand_body<S: Simd, const C: usize>(e: &Expand<'_>) {
+unsafe fn expand_body<S: Simd, const C: usize, const ER: usize>(e: &Expand<'_>) {
     let cw = C * S::L;
     let mut c0 = 0;
     while c0 + cw <= e.n {
@@ -121,11 +121,11 @@ unsafe fn expand_body<S: Simd, const C: usize>(e: &Expand<'_>) {
                 unsafe { S::prefetch(nb.wrapping_add(l) as *const u8) };
             }
         }
-        expand_rows::<S, C>(e, c0);
+        expand_rows::<S, C, ER>(e, c0);
         c0 += cw;
     }
     while c0 + S::L <= e.n {
-        expand_rows::<S, 1>(e, c0);
+        expand_rows::<S, 1, ER>(e, c0);
         c0 += S::L;
     }
     if c0 < e.n {
@@ -133,12 +133,12 @@ unsafe fn expand_body<S: Simd, const C: usize>(e: &Expand<'_>) {
     }
 }
 
-/// Every row of the call over the `C` vectors of columns from `c0`, `MR` rows at a time.
+/// Every row of the call over the `C` vectors of columns from `c0`, `ER` rows at a time.
 #[inline(always)]
-fn expand_rows<S: Simd, const C: usize>(e: &Expand<'_>, c0: usize) {
+fn expand_rows<S: Simd, const C: usize, const ER: usize>(e: &Expand<'_>, c0: usize) {
     let mut i0 = 0;
     while i0 < e.rows {
-        let rows = S::MR.min(e.rows - i0);
+        let rows = ER.min(e.rows - i0);
         // SAFETY: columns c0..c0 + C·L ≤ n of rows the caller of `lora_expand` vouches for.
         unsafe { by_rows!(rows, expand_tile::<S, C>(e, i0, c0)) };
         i0 += rows;
@@ -215,27 +215,31 @@ mod x86_entry {
     /// The CPU has AVX-512F; see `lora_shrink`.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn shrink_avx512(s: &Shrink<'_>) {
-        unsafe { super::shrink_body::<Avx512>(s) }
+        // 6 rows × 4 A rows: 24 accumulators + 4 of A + x.
+        unsafe { super::shrink_body::<Avx512, 6>(s) }
     }
     /// # Safety
     /// The CPU has AVX2 and FMA; see `lora_shrink`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn shrink_avx2(s: &Shrink<'_>) {
-        unsafe { super::shrink_body::<Avx2>(s) }
+        // 3 rows × 4 A rows: 12 accumulators + 4 of A + x (2 rows, as before AVX2 had its own
+        // shapes, read every A row once per 2 rows).
+        unsafe { super::shrink_body::<Avx2, 3>(s) }
     }
     /// # Safety
     /// The CPU has AVX-512F; see `lora_expand`.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn expand_avx512(e: &Expand<'_>) {
         // 4 vectors = 64 columns; 6 × 4 accumulators + 4 of Bᵀ + the coefficient: 29 registers.
-        unsafe { super::expand_body::<Avx512, 4>(e) }
+        unsafe { super::expand_body::<Avx512, 4, 6>(e) }
     }
     /// # Safety
     /// The CPU has AVX2 and FMA; see `lora_expand`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn expand_avx2(e: &Expand<'_>) {
-        // 4 vectors = 32 columns; 2 × 4 accumulators + 4 + 1: 13 of the 16 registers.
-        unsafe { super::expand_body::<Avx2, 4>(e) }
+        // 2 vectors = 16 columns; 6 × 2 accumulators + 2 + 1: 15 of the 16 registers (each Bᵀ
+        // vector serves six rows; 2 × 4 before AVX2 had its own shapes).
+        unsafe { super::expand_body::<Avx2, 2, 6>(e) }
     }
 }
 
@@ -258,7 +262,7 @@ pub fn lora_shrink(out: &mut [f32], ldo: usize, x: &[f32], ldx: usize, idx: Opti
             Isa::Avx512 => x86_entry::shrink_avx512(&s),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => x86_entry::shrink_avx2(&s),
-            _ => shrink_body::<Portable>(&s),
+            _ => shrink_body::<Portable, 2>(&s),
         }
     }
 }
@@ -284,7 +288,7 @@ pub unsafe fn lora_expand(y: *mut f32, ldy: usize, idx: Option<&[u32]>, rows: us
             Isa::Avx512 => x86_entry::expand_avx512(&e),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => x86_entry::expand_avx2(&e),
-            _ => expand_body::<Portable, 2>(&e),
+            _ => expand_body::<Portable, 2, 2>(&e),
         }
     }
 }
