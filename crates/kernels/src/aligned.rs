@@ -14,6 +14,8 @@ pub const ALIGN: usize = 64;
 pub struct AlignedVec<T: Copy> {
     ptr: NonNull<T>,
     len: usize,
+    /// What the allocator returned (`ptr` rounded down), for `dealloc`.
+    raw: *mut u8,
 }
 
 // SAFETY: AlignedVec owns its elements like a Vec does.
@@ -21,40 +23,55 @@ unsafe impl<T: Copy + Send> Send for AlignedVec<T> {}
 unsafe impl<T: Copy + Sync> Sync for AlignedVec<T> {}
 
 impl<T: Copy> AlignedVec<T> {
+    /// `len` elements and room to round the start up to `ALIGN`, at the allocator's own
+    /// alignment: asked for 64-byte alignment, the system allocator zeroes with a memset of the
+    /// whole block, where `calloc` hands out fresh pages that the kernel zeroes on first touch.
+    /// That made a KV pool of several GiB resident (and cost its page clearing) at start-up.
     fn layout(len: usize) -> Layout {
-        Layout::from_size_align(len * std::mem::size_of::<T>(), ALIGN.max(std::mem::align_of::<T>())).expect("AlignedVec: size overflow")
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).and_then(|b| b.checked_add(ALIGN)).expect("AlignedVec: size overflow");
+        Layout::from_size_align(bytes, std::mem::align_of::<T>().max(16)).expect("AlignedVec: size overflow")
+    }
+
+    fn empty() -> Self {
+        AlignedVec { ptr: NonNull::dangling(), len: 0, raw: std::ptr::null_mut() }
+    }
+
+    /// # Safety
+    /// `raw` came from the allocator with `layout(len)`.
+    unsafe fn from_raw(raw: *mut u8, len: usize) -> Self {
+        let layout = Self::layout(len);
+        if raw.is_null() {
+            handle_alloc_error(layout);
+        }
+        let ptr = raw.wrapping_add(raw.align_offset(ALIGN)) as *mut T;
+        // SAFETY: rounding up by less than ALIGN stays inside the block, which holds len more.
+        AlignedVec { ptr: unsafe { NonNull::new_unchecked(ptr) }, len, raw }
     }
 
     /// A copy of `src` in aligned memory.
     pub fn from_slice(src: &[T]) -> Self {
         let len = src.len();
         if len == 0 || std::mem::size_of::<T>() == 0 {
-            return AlignedVec { ptr: NonNull::dangling(), len };
+            return AlignedVec { len, ..Self::empty() };
         }
-        let layout = Self::layout(len);
-        // SAFETY: layout has a nonzero size; the copy fills all `len` elements before use.
+        // SAFETY: the layout has a nonzero size; the copy fills all `len` elements before use.
         unsafe {
-            let p = alloc(layout) as *mut T;
-            let Some(ptr) = NonNull::new(p) else { handle_alloc_error(layout) };
-            std::ptr::copy_nonoverlapping(src.as_ptr(), ptr.as_ptr(), len);
-            AlignedVec { ptr, len }
+            let v = Self::from_raw(alloc(Self::layout(len)), len);
+            std::ptr::copy_nonoverlapping(src.as_ptr(), v.ptr.as_ptr(), len);
+            v
         }
     }
 
-    /// `len` zeros in aligned memory (fresh pages from the allocator, no copy).
+    /// `len` zeros in aligned memory (fresh pages from the allocator, no copy, no memset).
     pub fn zeroed(len: usize) -> Self
     where
         T: bytemuck::Zeroable,
     {
         if len == 0 || std::mem::size_of::<T>() == 0 {
-            return AlignedVec { ptr: NonNull::dangling(), len };
+            return AlignedVec { len, ..Self::empty() };
         }
-        let layout = Self::layout(len);
-        // SAFETY: layout has a nonzero size; all-zero bytes are a valid T (Zeroable).
-        unsafe {
-            let Some(ptr) = NonNull::new(alloc_zeroed(layout) as *mut T) else { handle_alloc_error(layout) };
-            AlignedVec { ptr, len }
-        }
+        // SAFETY: the layout has a nonzero size; all-zero bytes are a valid T (Zeroable).
+        unsafe { Self::from_raw(alloc_zeroed(Self::layout(len)), len) }
     }
 }
 
@@ -75,9 +92,9 @@ impl<T: Copy> DerefMut for AlignedVec<T> {
 
 impl<T: Copy> Drop for AlignedVec<T> {
     fn drop(&mut self) {
-        if self.len != 0 && std::mem::size_of::<T>() != 0 {
-            // SAFETY: allocated in from_slice with this very layout.
-            unsafe { dealloc(self.ptr.as_ptr() as *mut u8, Self::layout(self.len)) }
+        if !self.raw.is_null() {
+            // SAFETY: allocated in from_raw's callers with this very layout.
+            unsafe { dealloc(self.raw, Self::layout(self.len)) }
         }
     }
 }
@@ -121,5 +138,23 @@ mod tests {
         }
         let b = AlignedVec::from_slice(&[half::bf16::ONE; 33]);
         assert_eq!(b.as_ptr() as usize % ALIGN, 0);
+    }
+
+    /// Resident memory of this process, from /proc (Linux).
+    #[cfg(target_os = "linux")]
+    fn resident_bytes() -> usize {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+        statm.split_whitespace().nth(1).unwrap().parse::<usize>().unwrap() * 4096
+    }
+
+    /// A large zeroed buffer (a KV pool) costs address space, not memory, until it is written.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn zeroed_pages_stay_untouched() {
+        let before = resident_bytes();
+        let v = AlignedVec::<f32>::zeroed(512 << 20);
+        let grew = resident_bytes().saturating_sub(before);
+        assert_eq!(v[(512 << 20) - 1], 0.0);
+        assert!(grew < 256 << 20, "2 GiB of zeroed buffer made {grew} bytes resident");
     }
 }

@@ -64,9 +64,12 @@ impl std::str::FromStr for DType {
     }
 }
 
-/// Device memory behind a tensor.
+/// Device memory behind a tensor. Host tensors are cache-line aligned like weights: the KV
+/// cache's rows and the activations' rows are then whole lines wherever the row width is a
+/// multiple of 16 floats (with the allocator's 16 bytes every 256-byte K/V head row of a decode
+/// step spanned five lines, and every vector load of it one split across two).
 pub enum Storage {
-    Cpu(Vec<f32>),
+    Cpu(aligned::AlignedVec<f32>),
     #[cfg(feature = "cuda")]
     Cuda(cuda::DevBuf),
 }
@@ -80,10 +83,10 @@ pub struct Tensor {
 
 impl Tensor {
     pub fn cpu(data: Vec<f32>) -> Self {
-        Tensor { storage: Storage::Cpu(data) }
+        Tensor { storage: Storage::Cpu(aligned::AlignedVec::from_slice(&data)) }
     }
     pub fn zeros_cpu(len: usize) -> Self {
-        Tensor::cpu(vec![0.0; len])
+        Tensor { storage: Storage::Cpu(aligned::AlignedVec::zeroed(len)) }
     }
     pub fn capacity(&self) -> usize {
         match &self.storage {
