@@ -17,7 +17,7 @@
 //! any batch: what the exact replay of a preempted request relies on.
 
 use super::dot::{tile, Portable, Simd, NR};
-use super::simd::{exp_shift_sum, isa, Isa};
+use super::simd::{exp_shift_sum, isa, prefetch_l2, Isa};
 use crate::{AttnBatch, KvStorage, Tensor};
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -25,6 +25,8 @@ use std::cell::RefCell;
 thread_local! {
     /// Scores of one tile, `[MR][ctx]`.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Cache row offsets of a sequence's positions (see `Group::offs`).
+    static OFFSETS: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
     /// Tasks before each sequence (prefix sums), reused across steps.
     static TASKS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
@@ -56,6 +58,11 @@ struct Group<'a> {
     /// The sequence's first token row and the positions of all rows.
     row0: usize,
     positions: &'a [u32],
+    /// Offset of each context position's row in the K/V caches, for the positions the queries
+    /// being run attend to (filled by `run`): looked up through the block table with a division
+    /// per key and pass, decode attention spent more time in integer division than in its
+    /// multiply-adds (16% of a 16-stream engine run, for ~2% of the FLOPs).
+    offs: &'a [usize],
 }
 
 impl Group<'_> {
@@ -63,10 +70,19 @@ impl Group<'_> {
     fn query(&self, i: usize) -> (usize, usize) {
         (self.row0 + i / self.group, self.head0 + i % self.group)
     }
-    /// Offset of position `t`'s row in the K/V caches.
+    /// Offset of position `t`'s row, this kv head's part, in the K/V caches.
     #[inline(always)]
     fn kv_at(&self, t: usize) -> usize {
-        (self.table[t / self.bs] as usize * self.bs + t % self.bs) * self.kvw + self.koff
+        self.offs[t] + self.koff
+    }
+    /// `offs` for positions `0..ctx`, walking the block table block by block.
+    fn fill_offsets(&self, ctx: usize, offs: &mut Vec<usize>) {
+        offs.clear();
+        for (blk, &id) in self.table[..ctx.div_ceil(self.bs)].iter().enumerate() {
+            let base = id as usize * self.bs * self.kvw;
+            let n = self.bs.min(ctx - blk * self.bs);
+            offs.extend((0..n).map(|o| base + o * self.kvw));
+        }
     }
 }
 
@@ -87,16 +103,35 @@ unsafe fn qk_scores<S: Simd, const N: usize>(xs: &[*const f32], ws: [*const f32;
     }
 }
 
+/// How many keys ahead of the score tile its K rows are prefetched.
+const KV_AHEAD: usize = 16;
+
+/// Hint that the `len` floats at `p` will be read soon: into L1, or into L2 when `later`. The
+/// last element's line too, for rows that do not start on a line.
+#[inline(always)]
+fn prefetch_row<S: Simd>(p: *const f32, len: usize, later: bool) {
+    for l in (0..len).step_by(16).chain(std::iter::once(len.saturating_sub(1))) {
+        let at = p.wrapping_add(l) as *const u8;
+        if later {
+            prefetch_l2(at);
+        } else {
+            // SAFETY: a prefetch never faults, and `S` is what the caller runs on.
+            unsafe { S::prefetch(at) };
+        }
+    }
+}
+
 /// Queries `q0..q0 + R` of `g`, written to `out` (row stride `n_heads·hd`). Scores take `QR`
-/// queries per dot-product tile and the weighted sum `VC` vectors of the head dim per register
-/// tile, both what the instruction set's registers hold: AVX-512 (32) 6 × 4 keys and 6 × 4
-/// vectors; AVX2 (16) 3 × 4 keys and 6 × 2 vectors (with 6 queries in both, AVX2 spilled 24
-/// accumulators every step).
+/// queries per dot-product tile, and the weighted sum as many vectors of the head dim (4, 2 or 1)
+/// per register tile as keep its `R` rows within `ACC` accumulators: what the instruction set's
+/// registers hold. AVX-512 (32): 6 × 4 keys, 24 accumulators; AVX2 (16): 3 × 4 keys, 12 (6
+/// queries × 2 vectors, a decode row's 3 GQA heads × 4; with 6 × 4 in both, AVX2 spilled 24
+/// accumulators every step, and 3 × 2 left the weighted sum waiting on its 6 FMA chains).
 ///
 /// # Safety
 /// The queries' output rows are this call's alone; the CPU supports `S`.
 #[inline(always)]
-unsafe fn tile_queries<S: Simd, const R: usize, const QR: usize, const VC: usize>(g: &Group<'_>, q0: usize, out: *mut f32, scores: &mut Vec<f32>) {
+unsafe fn tile_queries<S: Simd, const R: usize, const QR: usize, const ACC: usize>(g: &Group<'_>, q0: usize, out: *mut f32, scores: &mut Vec<f32>) {
     let hd = g.hd;
     let mut xs = [std::ptr::null::<f32>(); R];
     let mut ctx = [0usize; R];
@@ -114,6 +149,19 @@ unsafe fn tile_queries<S: Simd, const R: usize, const QR: usize, const VC: usize
     let mut t0 = 0;
     while t0 < cmax {
         let ws: [*const f32; NR] = std::array::from_fn(|j| g.kc[g.kv_at((t0 + j).min(cmax - 1))..].as_ptr());
+        // The K and V rows of a context are scattered over the pool's blocks (one kv head's
+        // 256 bytes every `kvw` floats) and, over a step's sequences and layers, far larger than
+        // the caches: each was a cache miss the loop waited on (57% of decode attention's samples
+        // sat on V loads). Ask for the K rows `KV_AHEAD` keys ahead, and for these keys' V rows,
+        // which the weighted sum reads after the softmax.
+        for j in 0..NR {
+            if t0 + KV_AHEAD + j < cmax {
+                prefetch_row::<S>(g.kc[g.kv_at(t0 + KV_AHEAD + j)..].as_ptr(), hd, false);
+            }
+            if t0 + j < cmax {
+                prefetch_row::<S>(g.vc[g.kv_at(t0 + j)..].as_ptr(), hd, true);
+            }
+        }
         let mut i0 = 0;
         while i0 < R {
             let n = QR.min(R - i0);
@@ -141,7 +189,7 @@ unsafe fn tile_queries<S: Simd, const R: usize, const QR: usize, const VC: usize
         s[..c].iter_mut().for_each(|p| *p *= inv);
         s[c..].fill(0.0);
     }
-    // o = Σ_t p_t · v_t: blocks of VC vectors of the head dim, then single vectors, then
+    // o = Σ_t p_t · v_t: blocks of 4 or 2 vectors of the head dim, then single vectors, then
     // single elements.
     let ld = g.n_heads * hd;
     let orows: [*mut f32; R] = std::array::from_fn(|i| {
@@ -150,10 +198,17 @@ unsafe fn tile_queries<S: Simd, const R: usize, const QR: usize, const VC: usize
         unsafe { out.add(r * ld + h * hd) }
     });
     let mut d0 = 0;
-    while d0 + VC * S::L <= hd {
-        // SAFETY: d0 + VC·L ≤ hd: inside every V row and output row.
-        unsafe { weighted_sum::<S, R, VC>(g, sc, cmax, d0, orows) };
-        d0 += VC * S::L;
+    let vc = if 4 * R <= ACC { 4 } else { 2 };
+    while d0 + vc * S::L <= hd {
+        // SAFETY: d0 + vc·L ≤ hd: inside every V row and output row.
+        unsafe {
+            if vc == 4 {
+                weighted_sum::<S, R, 4>(g, sc, cmax, d0, orows)
+            } else {
+                weighted_sum::<S, R, 2>(g, sc, cmax, d0, orows)
+            }
+        };
+        d0 += vc * S::L;
     }
     while d0 + S::L <= hd {
         // SAFETY: as above.
@@ -208,19 +263,19 @@ unsafe fn weighted_sum<S: Simd, const R: usize, const C: usize>(g: &Group<'_>, p
 /// # Safety
 /// See `tile_queries`.
 #[inline(always)]
-unsafe fn run_queries<S: Simd, const QR: usize, const VC: usize>(g: &Group<'_>, q0: usize, q1: usize, out: *mut f32, sc: &mut Vec<f32>) {
+unsafe fn run_queries<S: Simd, const QR: usize, const ACC: usize>(g: &Group<'_>, q0: usize, q1: usize, out: *mut f32, sc: &mut Vec<f32>) {
     let mut q = q0;
     while q < q1 {
         let r = MR.min(q1 - q);
         // SAFETY: forwarded from the caller.
         unsafe {
             match r {
-                1 => tile_queries::<S, 1, QR, VC>(g, q, out, sc),
-                2 => tile_queries::<S, 2, QR, VC>(g, q, out, sc),
-                3 => tile_queries::<S, 3, QR, VC>(g, q, out, sc),
-                4 => tile_queries::<S, 4, QR, VC>(g, q, out, sc),
-                5 => tile_queries::<S, 5, QR, VC>(g, q, out, sc),
-                _ => tile_queries::<S, 6, QR, VC>(g, q, out, sc),
+                1 => tile_queries::<S, 1, QR, ACC>(g, q, out, sc),
+                2 => tile_queries::<S, 2, QR, ACC>(g, q, out, sc),
+                3 => tile_queries::<S, 3, QR, ACC>(g, q, out, sc),
+                4 => tile_queries::<S, 4, QR, ACC>(g, q, out, sc),
+                5 => tile_queries::<S, 5, QR, ACC>(g, q, out, sc),
+                _ => tile_queries::<S, 6, QR, ACC>(g, q, out, sc),
             }
         }
         q += r;
@@ -235,13 +290,13 @@ mod x86_entry {
     /// The CPU has AVX-512F; see `tile_queries`.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn avx512(g: &Group<'_>, q0: usize, q1: usize, out: *mut f32, sc: &mut Vec<f32>) {
-        unsafe { super::run_queries::<Avx512, 6, 4>(g, q0, q1, out, sc) }
+        unsafe { super::run_queries::<Avx512, 6, 24>(g, q0, q1, out, sc) }
     }
     /// # Safety
     /// The CPU has AVX2 and FMA; see `tile_queries`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn avx2(g: &Group<'_>, q0: usize, q1: usize, out: *mut f32, sc: &mut Vec<f32>) {
-        unsafe { super::run_queries::<Avx2, 3, 2>(g, q0, q1, out, sc) }
+        unsafe { super::run_queries::<Avx2, 3, 12>(g, q0, q1, out, sc) }
     }
 }
 
@@ -249,16 +304,24 @@ mod x86_entry {
 /// See `tile_queries`; `isa` is what this CPU supports.
 unsafe fn run(isa: Isa, g: &Group<'_>, q0: usize, q1: usize, out: *mut f32) {
     SCORES.with(|sc| {
-        let sc = &mut sc.borrow_mut();
-        unsafe {
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => x86_entry::avx512(g, q0, q1, out, sc),
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => x86_entry::avx2(g, q0, q1, out, sc),
-                _ => run_queries::<Portable, 2, 2>(g, q0, q1, out, sc),
+        OFFSETS.with(|offs| {
+            let sc = &mut sc.borrow_mut();
+            let offs = &mut offs.borrow_mut();
+            // Positions grow along a sequence's rows, but take the largest context of the
+            // range whatever the order.
+            let ctx = (q0..q1).map(|q| g.positions[g.query(q).0] as usize + 1).max().unwrap_or(0);
+            g.fill_offsets(ctx, offs);
+            let g = &Group { offs: &offs[..], ..*g };
+            unsafe {
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 => x86_entry::avx512(g, q0, q1, out, sc),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => x86_entry::avx2(g, q0, q1, out, sc),
+                    _ => run_queries::<Portable, 2, 8>(g, q0, q1, out, sc),
+                }
             }
-        }
+        })
     })
 }
 
@@ -308,6 +371,7 @@ pub(super) fn paged_attention(qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorag
         scale,
         row0: b.seq_starts[s] as usize,
         positions: b.positions,
+        offs: &[],
     };
     let queries = |s: usize| (b.seq_starts[s + 1] - b.seq_starts[s]) as usize * group;
     // Work is proportional to the context each row attends to, not to the output size.

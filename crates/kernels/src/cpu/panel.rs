@@ -22,7 +22,7 @@
 //! or start a chain anywhere but zero.
 
 use super::dot::{Portable, Simd, WElem};
-use super::simd::{isa, Isa};
+use super::simd::{isa, prefetch_l2, Isa};
 use super::SyncPtr;
 use crate::aligned::AlignedVec;
 use half::bf16;
@@ -353,17 +353,6 @@ unsafe fn run_block<T: WElem>(isa: Isa, b: &Block<T>) {
 /// end the hint lands on the next panel, which the task reads next.
 const PREFETCH_ELEMS: usize = 768;
 
-/// Hint that the line at `p` will be read soon, into L2 (never faults, any address).
-#[inline(always)]
-fn prefetch_l2(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch never faults; SSE is baseline on x86_64.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p as *const i8)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
 
 /// Blocks of at most this many rows run in one pass (see [`Shape::short_p`]).
 const SHORT_ROWS: usize = 4;

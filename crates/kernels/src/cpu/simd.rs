@@ -107,6 +107,18 @@ macro_rules! isa_module {
 isa_module!(avx2, "avx2,fma");
 isa_module!(avx512, "avx512f,avx2,fma");
 
+/// Hint that the line at `p` will be read soon, into L2 (never faults, any address).
+#[inline(always)]
+pub(super) fn prefetch_l2(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults; SSE is baseline on x86_64.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p as *const i8)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// The widest instruction set this CPU offers that the kernels use, detected once per process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
