@@ -22,7 +22,8 @@
 //! others 1), the pool stores a *site rank* `r = ranks[w][l][site]` (the largest rank of the
 //! slices present; 0 when the adapter lacks the whole site). Slice `j`'s `lora_A` occupies A rows
 //! `[j·r, j·r + r_j)` of `A[w]` (`(n·R, in)`), its `lora_B`, transposed, occupies rows `[0, r_j)`
-//! and columns `off_j..off_{j+1}` of `Bᵀ[w]` (`(R, out)`).
+//! and columns `off_j..off_{j+1}` of `Bᵀ[w]` (`(R, b_ld)`, rows padded past `out` to an odd
+//! number of cache lines; see `mem_pool`).
 //!
 //! **Invariant:** every other element of a slot (A rows and Bᵀ rows beyond a slice's rank,
 //! slices and sites the adapter lacks, the whole tail up to `R`) is zero, because loading a slot

@@ -8,7 +8,11 @@
 //!
 //! B is stored transposed (PEFT's `lora_B` is `(out, r)`) so the expand walks contiguous output
 //! columns: each rank step is a vector multiply-add over a run of `y`, instead of one short
-//! rank-long dot product per output element.
+//! rank-long dot product per output element. A Bᵀ row is `b_ld ≥ out` floats apart
+//! ([`b_row_stride`]): an odd number of cache lines, so the `r` rows that one expand block reads
+//! at the same column fall in `r` different cache sets. At the unpadded stride a 3072-wide
+//! gate_up row is 192 lines, a multiple of the L1's 64 sets, and all 16 rows of a rank-16 block
+//! (and the next block, prefetched) fell in one 8-way set. Buffers are 64-byte aligned, so every row starts on a line.
 //!
 //! A site's buffers exist only if one of its projections is a configured target (vocab-sized
 //! buffers are large). Slot layout and its zero-tail invariant: see the crate docs. Slot
@@ -21,18 +25,21 @@ use crate::error::{LoraError, Result};
 use crate::eviction_policy::{EvictionPolicy, EvictionTracker};
 use crate::registry::AdapterKey;
 use crate::{LinearSite, LoraModelDims};
+use quiver_kernels::aligned::AlignedVec;
 
 /// Max fused slices per site.
 pub const MAX_SLICES: usize = 3;
 
 /// Preallocated A/B buffers of one site (all slots).
 pub struct SiteBuffers {
-    pub a: Vec<f32>,
-    pub b: Vec<f32>,
+    pub a: AlignedVec<f32>,
+    pub b: AlignedVec<f32>,
     /// Input width (vocab for the embedding).
     pub in_dim: usize,
     /// Total output width (sum of slices).
     pub out_dim: usize,
+    /// Distance between Bᵀ rows, [`b_row_stride`]`(out_dim)`.
+    pub b_ld: usize,
     pub n_slices: usize,
     /// Slice boundaries in the output, `offsets[..=n_slices]`.
     pub offsets: [usize; MAX_SLICES + 1],
@@ -52,16 +59,27 @@ impl SiteBuffers {
         for (j, m) in modules.iter().enumerate() {
             ms[j] = Some(*m);
         }
+        let b_ld = b_row_stride(out_dim);
         SiteBuffers {
-            a: vec![0.0; slots * n * max_rank * in_dim],
-            b: vec![0.0; slots * out_dim * max_rank],
+            a: AlignedVec::zeroed(slots * n * max_rank * in_dim),
+            b: AlignedVec::zeroed(slots * b_ld * max_rank),
             in_dim,
             out_dim,
+            b_ld,
             n_slices: n,
             offsets,
             modules: ms,
         }
     }
+}
+
+/// Floats between two Bᵀ rows of output width `out`: `out` rounded up to whole 64-byte lines,
+/// plus one line when that count is even. An odd line count is coprime with any power-of-two
+/// number of cache sets, so rows `k = 0..r` at one column map to `r` distinct sets (up to the
+/// cache's set count) whatever `out` is. Costs at most 2 lines a row.
+pub fn b_row_stride(out: usize) -> usize {
+    let lines = out.div_ceil(16);
+    16 * (lines | 1)
 }
 
 /// What a kernel needs to apply one site: the buffers plus this (layer, site)'s per-slot
@@ -72,6 +90,8 @@ pub struct SiteView<'a> {
     pub b: &'a [f32],
     pub in_dim: usize,
     pub out_dim: usize,
+    /// Distance between Bᵀ rows (≥ `out_dim`, see [`b_row_stride`]).
+    pub b_ld: usize,
     pub max_rank: usize,
     pub n_slices: usize,
     pub offsets: [usize; MAX_SLICES + 1],
@@ -88,10 +108,11 @@ impl<'a> SiteView<'a> {
         let len = self.n_slices * self.max_rank * self.in_dim;
         &self.a[w * len..(w + 1) * len]
     }
-    /// Bᵀ of slot `w`: `(R, out)`; rank step `k` of output column `o` at `k·out + o`.
+    /// Bᵀ of slot `w`: `(R, b_ld)`; rank step `k` of output column `o` at `k·b_ld + o`
+    /// (columns `out_dim..b_ld` are zero padding).
     #[inline]
     pub fn b_slot(&self, w: usize) -> &'a [f32] {
-        let len = self.out_dim * self.max_rank;
+        let len = self.b_ld * self.max_rank;
         &self.b[w * len..(w + 1) * len]
     }
     #[inline]
@@ -201,6 +222,7 @@ impl LoraMemoryPool {
             b: &buf.b,
             in_dim: buf.in_dim,
             out_dim: buf.out_dim,
+            b_ld: buf.b_ld,
             max_rank: self.max_rank,
             n_slices: buf.n_slices,
             offsets: buf.offsets,
@@ -285,7 +307,7 @@ impl LoraMemoryPool {
         let fill = |buf: &mut SiteBuffers, entry: usize, layer: usize, ranks: &mut [u32], scalings: &mut [f32]| {
             let n = buf.n_slices;
             let a_len = n * rmax * buf.in_dim;
-            let b_len = buf.out_dim * rmax;
+            let b_len = buf.b_ld * rmax;
             let a = &mut buf.a[slot * a_len..(slot + 1) * a_len];
             let b = &mut buf.b[slot * b_len..(slot + 1) * b_len];
             a.fill(0.0);
@@ -301,10 +323,10 @@ impl LoraMemoryPool {
                 let rj = w.rank;
                 let row0 = j * r_site;
                 a[row0 * buf.in_dim..(row0 + rj) * buf.in_dim].copy_from_slice(&w.a);
-                let (o0, out) = (buf.offsets[j], buf.out_dim);
+                let (o0, ld) = (buf.offsets[j], buf.b_ld);
                 for o in 0..(buf.offsets[j + 1] - o0) {
                     for k in 0..rj {
-                        b[k * out + o0 + o] = w.b[o * rj + k];
+                        b[k * ld + o0 + o] = w.b[o * rj + k];
                     }
                 }
                 scalings[(entry * s + slot) * MAX_SLICES + j] = w.scaling;
@@ -333,5 +355,32 @@ impl LoraMemoryPool {
         self.pinned[slot] = false;
         self.tracker.inserted(slot);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::b_row_stride;
+
+    /// Every width gets a line-multiple stride of an odd number of lines, at most two lines
+    /// longer than the row, and the 16 rows of a rank-16 block at one column land in 16
+    /// different sets of a 64-set L1 (the unpadded 3072-wide gate_up rows all shared one).
+    #[test]
+    fn b_rows_are_an_odd_number_of_lines_apart() {
+        for out in 1..5000 {
+            let ld = b_row_stride(out);
+            assert!(ld >= out && ld.is_multiple_of(16) && !(ld / 16).is_multiple_of(2) && ld - out < 32, "out {out}: stride {ld}");
+        }
+        for out in [576, 960, 1536, 3072, 4096, 6144, 28672] {
+            let ld = b_row_stride(out);
+            let mut sets: Vec<usize> = (0..16).map(|k| (k * ld / 16) % 64).collect();
+            sets.sort();
+            sets.dedup();
+            assert_eq!(sets.len(), 16, "out {out}");
+            let unpadded: std::collections::HashSet<usize> = (0..16).map(|k| (k * out.div_ceil(16)) % 64).collect();
+            if out == 3072 {
+                assert_eq!(unpadded.len(), 1, "the case this padding exists for");
+            }
+        }
     }
 }

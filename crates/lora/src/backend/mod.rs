@@ -129,7 +129,7 @@ pub(crate) unsafe fn expand_rows(site: &SiteView<'_>, w: usize, shrink: &[f32], 
         let o0 = site.offsets[j];
         let (p0, p1) = part_range(site.offsets[j + 1] - o0, part, 64);
         // SAFETY: columns o0+p0..o0+p1 ≤ out_dim of the caller's rows.
-        unsafe { lora_expand(y.add(o0 + p0), ldy, idx, rows, &shrink[j * r..], ld, &bt[o0 + p0..], site.out_dim, r, p1 - p0, site.scaling(w, j)) };
+        unsafe { lora_expand(y.add(o0 + p0), ldy, idx, rows, &shrink[j * r..], ld, &bt[o0 + p0..], site.b_ld, r, p1 - p0, site.scaling(w, j)) };
     }
 }
 

@@ -44,8 +44,8 @@ impl LoraBackend for ReferenceBackend {
                 }
                 let s = site.scaling(w, j) as f64;
                 for o in site.offsets[j]..site.offsets[j + 1] {
-                    // Bᵀ layout: rank step k of column o at k·out + o.
-                    let d: f64 = (0..r).map(|k| b[k * dout + o] as f64 * t[k] as f64).sum();
+                    // Bᵀ layout: rank step k of column o at k·b_ld + o.
+                    let d: f64 = (0..r).map(|k| b[k * site.b_ld + o] as f64 * t[k] as f64).sum();
                     y[row * dout + o] += (s * d) as f32;
                 }
             }
