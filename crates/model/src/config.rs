@@ -165,10 +165,10 @@ impl ModelConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+        if self.num_heads == 0 || self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             bail!("num_attention_heads {} must be a positive multiple of num_key_value_heads {}", self.num_heads, self.num_kv_heads);
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             bail!("head_dim {} must be even and positive", self.head_dim);
         }
         if self.hidden_size == 0 || self.vocab_size == 0 || self.num_layers == 0 || self.intermediate_size == 0 {

@@ -405,6 +405,9 @@ pub(super) fn paged_attention(qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorag
         }
         let before = &before[..];
         (0..n as usize).into_par_iter().for_each(|task| {
+            // The whole wrapper, not its raw-pointer field, must be captured (edition 2021
+            // closures capture fields), or the closure is not Send.
+            #[allow(clippy::redundant_locals)]
             let outp = outp;
             let s = before.partition_point(|&b| b as usize <= task) - 1;
             let blocks = queries(s).div_ceil(per_task);
