@@ -377,10 +377,6 @@ mod tests {
             sets.sort();
             sets.dedup();
             assert_eq!(sets.len(), 16, "out {out}");
-            let unpadded: std::collections::HashSet<usize> = (0..16).map(|k| (k * out.div_ceil(16)) % 64).collect();
-            if out == 3072 {
-                assert_eq!(unpadded.len(), 1, "the case this padding exists for");
-            }
         }
     }
 }

@@ -227,8 +227,7 @@ mod x86_entry {
     /// The CPU has AVX2 and FMA; see `lora_shrink`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn shrink_avx2(s: &Shrink<'_>) {
-        // 3 rows × 4 A rows: 12 accumulators + 4 of A + x (2 rows, as before AVX2 had its own
-        // shapes, read every A row once per 2 rows).
+        // 3 rows × 4 A rows: 12 accumulators + 4 of A + x, within the 16 registers.
         unsafe { super::shrink_body::<Avx2, 3>(s) }
     }
     /// # Safety
@@ -242,8 +241,8 @@ mod x86_entry {
     /// The CPU has AVX2 and FMA; see `lora_expand`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn expand_avx2(e: &Expand<'_>) {
-        // 2 vectors = 16 columns; 6 × 2 accumulators + 2 + 1: 15 of the 16 registers (each Bᵀ
-        // vector serves six rows; 2 × 4 before AVX2 had its own shapes).
+        // 2 vectors = 16 columns; 6 × 2 accumulators + 2 + 1: 15 of the 16 registers, and each
+        // Bᵀ vector loaded serves six rows.
         unsafe { super::expand_body::<Avx2, 2, 6>(e) }
     }
 }

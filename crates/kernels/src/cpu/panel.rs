@@ -353,7 +353,6 @@ unsafe fn run_block<T: WElem>(isa: Isa, b: &Block<T>) {
 /// end the hint lands on the next panel, which the task reads next.
 const PREFETCH_ELEMS: usize = 768;
 
-
 /// Blocks of at most this many rows run in one pass (see [`Shape::short_p`]).
 const SHORT_ROWS: usize = 4;
 

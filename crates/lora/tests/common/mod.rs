@@ -1,7 +1,7 @@
 //! Test helpers: write PEFT adapter directories (safetensors + JSON) into unique temp dirs.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use quiver_lora::{LoraModelDims, LoraModule};
@@ -29,7 +29,7 @@ pub struct T {
     pub data: Vec<f32>,
 }
 
-pub fn write_adapter(dir: &PathBuf, config: &serde_json::Value, tensors: &[T]) {
+pub fn write_adapter(dir: &Path, config: &serde_json::Value, tensors: &[T]) {
     std::fs::write(dir.join("adapter_config.json"), serde_json::to_string_pretty(config).unwrap()).unwrap();
     let bytes: Vec<Vec<u8>> = tensors.iter().map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
     let views: Vec<(String, TensorView<'_>)> = tensors
