@@ -1,0 +1,402 @@
+//! The serving engine: one dedicated thread owns the model, the paged KV pool, the prefix cache
+//! and the LoRA manager; requests arrive on a channel and stream events back.
+//!
+//! # A step
+//! 1. Drain messages (new requests, cancellations, finished adapter loads, unloads).
+//! 2. Schedule: every running sequence in decode gets one row (oldest first), then running
+//!    sequences mid-prefill get chunks of at most `chunked_prefill_size`, then waiting
+//!    sequences are admitted while every limit holds. All within `max_num_batched_tokens`.
+//! 3. One forward over the varlen batch (decode rows + prefill chunks, mixed adapters).
+//! 4. Sample per sequence (its own seeded RNG), stream text, finish, free blocks.
+//!
+//! # Admission limits
+//! - running sequences ≤ `max_running_requests` (a request with `n` samples reserves `n`);
+//! - distinct adapters among **running** sequences ≤ `max_loras_per_batch`, pinned slots
+//!   accounted by `LoraManager::validate_batch`. Running includes sequences mid chunked
+//!   prefill whether or not they got a chunk this step, so the next batch can never hold more
+//!   adapters than slots (SGLang #23141). Base rows take no slot;
+//! - KV blocks for the first chunk (after prefix-cache hits) plus a 1% watermark;
+//! - the step's token budget.
+//!
+//! # Starvation: aging
+//! A request blocked only by the adapter limit is skipped so that others (whose adapters are
+//! resident) can go — until the oldest waiting request has waited `aging_steps` steps. From
+//! then on admission is strictly FCFS: nothing behind it is admitted, so running sequences
+//! drain (each is bounded by its `max_tokens`), slots free up, and it is admitted. Its wait is
+//! bounded by `aging_steps` + the longest remaining generation among running sequences.
+//!
+//! # Preemption
+//! When a running sequence needs a block and none is free (after reclaiming idle cached
+//! blocks), the newest running sequence is preempted: its blocks are released (full ones stay
+//! in the prefix cache) and it goes to the front of the waiting queue with all its tokens and
+//! its sampler state; on readmission its tokens are recomputed as a prefill, so it continues
+//! exactly where it was.
+
+use crate::api::*;
+use crate::config::{mem_available, EngineConfig, SchedulePolicy};
+use crate::kv::{BlockId, BlockPool, Parent};
+use crate::sampling::{self, Sampler, SamplingParams};
+use crate::text::{Detok, StopScan};
+use quiver_kernels::KvStorage;
+use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora};
+use quiver_model::tokenizer::Tokenizer;
+use quiver_model::{ForwardBatch, LlamaModel, LoadedModel, LogitsFor, Workspace};
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tokio::sync::oneshot;
+
+mod adapters;
+mod handle;
+mod requests;
+mod schedule;
+mod step;
+
+use adapters::loader_loop;
+
+pub(crate) enum Msg {
+    Submit(Box<NewRequest>),
+    Wake,
+    AdapterLoaded { job: LoadJob, result: Result<LoraAdapter, LoraError> },
+    Unload(String),
+    Debug(mpsc::Sender<DebugState>),
+    Shutdown,
+}
+
+pub(crate) struct NewRequest {
+    id: u64,
+    req: GenerateRequest,
+    tx: UnboundedSender<StreamEvent>,
+    cancel: Arc<AtomicBool>,
+}
+
+pub(crate) struct LoadJob {
+    name: String,
+    path: PathBuf,
+    pinned: bool,
+    replace: bool,
+    reply: oneshot::Sender<Result<AdapterInfo, AdapterError>>,
+}
+
+#[derive(Default)]
+struct AdapterEntry {
+    info: Option<AdapterInfo>,
+    loading: bool,
+}
+
+struct Shared {
+    tokenizer: Arc<Tokenizer>,
+    cfg: EngineConfig,
+    max_model_len: usize,
+    kv_capacity_tokens: usize,
+    vocab: usize,
+    accepting: AtomicBool,
+    queued: AtomicUsize,
+    next_id: AtomicU64,
+    adapters: Mutex<HashMap<String, AdapterEntry>>,
+    stats: Mutex<EngineStats>,
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    tx: Sender<Msg>,
+    loader: Mutex<Option<Sender<LoadJob>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Msg::Shutdown);
+    }
+}
+
+/// Cheap to clone; the engine stops (after finishing its work) when the last clone drops or
+/// on [`EngineHandle::shutdown`].
+#[derive(Clone)]
+pub struct EngineHandle {
+    inner: Arc<Inner>,
+}
+
+pub struct Engine;
+
+impl Engine {
+    /// Spawns the engine thread (owning the model, KV pool and LoRA state) and the adapter
+    /// loader thread.
+    pub fn start(model: LoadedModel, cfg: EngineConfig) -> anyhow::Result<EngineHandle> {
+        cfg.validate().map_err(anyhow::Error::msg)?;
+        let LoadedModel { model, tokenizer, .. } = model;
+        let tokenizer = Arc::new(tokenizer);
+        let c = &model.config;
+        let max_model_len = cfg.max_model_len.unwrap_or(c.max_position_embeddings).min(model.rope.max_pos).max(1);
+        let bs = cfg.block_size;
+        let bpb = model.kv_bytes_per_block(bs);
+        let num_blocks = match cfg.kv_cache_memory {
+            Some(b) => b / bpb,
+            None => {
+                let budget = match model.device.memory_info() {
+                    Some((free, total)) => free.saturating_sub(((1.0 - cfg.gpu_memory_utilization.clamp(0.0, 1.0)) * total as f64) as usize),
+                    None => mem_available().map_or(1 << 30, |m| m * 3 / 10).min(4 << 30),
+                };
+                let need = cfg.max_running_requests * max_model_len.div_ceil(bs) + 1;
+                (budget / bpb).min(need)
+            }
+        };
+        anyhow::ensure!(num_blocks >= 2, "kv_cache_memory is too small: one block of {bs} tokens takes {bpb} bytes");
+        let dims = model.lora_dims();
+        let lcfg = LoraConfig {
+            max_loras_per_batch: cfg.max_loras_per_batch,
+            max_lora_rank: cfg.max_lora_rank,
+            max_loaded_loras: cfg.max_loaded_loras,
+            eviction_policy: cfg.eviction_policy,
+            backend: cfg.lora_backend.clone(),
+            target_modules: cfg.lora_target_modules.clone(),
+            chunk_size: quiver_lora::batch::DEFAULT_CHUNK_SIZE,
+            max_batch_tokens: cfg.max_num_batched_tokens,
+        };
+        let manager = LoraManager::new(dims, lcfg, model.device.kind()).map_err(|e| anyhow::anyhow!("LoRA setup: {e}"))?;
+        let kv = model.alloc_kv(num_blocks, bs);
+        tracing::info!(num_blocks, block_size = bs, bytes = num_blocks * bpb, max_model_len, "allocated paged KV cache");
+        let shared = Arc::new(Shared {
+            tokenizer: tokenizer.clone(),
+            vocab: c.vocab_size,
+            max_model_len,
+            kv_capacity_tokens: num_blocks * bs,
+            accepting: AtomicBool::new(true),
+            queued: AtomicUsize::new(0),
+            next_id: AtomicU64::new(1),
+            adapters: Mutex::new(HashMap::new()),
+            stats: Mutex::new(EngineStats { kv_blocks_total: num_blocks, kv_blocks_free: num_blocks, block_size: bs, max_loras: cfg.max_loras_per_batch, ..Default::default() }),
+            cfg: cfg.clone(),
+        });
+        let (tx, rx) = mpsc::channel::<Msg>();
+        // Loader thread: reads and validates adapters off the engine thread.
+        let (ltx, lrx) = mpsc::channel::<LoadJob>();
+        let etx = tx.clone();
+        let (max_rank, modules) = (cfg.max_lora_rank, cfg.lora_target_modules.clone());
+        std::thread::Builder::new().name("quiver-lora-loader".into()).spawn(move || loader_loop(lrx, etx, dims, max_rank, modules))?;
+        let stride = max_model_len.div_ceil(bs);
+        let core = Core {
+            ws: model.new_workspace(cfg.max_num_batched_tokens, cfg.max_running_requests),
+            batch: ForwardBatch::with_capacity(cfg.max_num_batched_tokens, cfg.max_running_requests, stride),
+            stride,
+            kv,
+            pool: BlockPool::new(num_blocks, bs, !cfg.disable_prefix_cache),
+            eos: tokenizer.eos_token_ids().to_vec(),
+            tokenizer,
+            model,
+            manager,
+            shared: shared.clone(),
+            cfg,
+            reqs: Vec::new(),
+            free_reqs: Vec::new(),
+            seqs: Vec::new(),
+            free_seqs: Vec::new(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            pending_load: HashMap::new(),
+            running_adapters: HashMap::new(),
+            next_order: 1,
+            step_no: 0,
+            shutdown: false,
+            sched: Vec::new(),
+            seq_adapters: Vec::new(),
+            keys_buf: Vec::new(),
+            match_buf: Vec::new(),
+            logits_buf: Vec::new(),
+            work_buf: Vec::new(),
+            cand_buf: Vec::new(),
+            counters: Counters::default(),
+        };
+        let thread = std::thread::Builder::new().name("quiver-engine".into()).spawn(move || core.run(rx))?;
+        Ok(EngineHandle { inner: Arc::new(Inner { shared, tx, loader: Mutex::new(Some(ltx)), thread: Mutex::new(Some(thread)) }) })
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Engine thread
+
+struct Req {
+    id: u64,
+    adapter: Option<AdapterKey>,
+    adapter_name: Option<Arc<str>>,
+    params: SamplingParams,
+    max_tokens: usize,
+    stop: Vec<String>,
+    stop_ids: Vec<u32>,
+    ignore_eos: bool,
+    logprobs: Option<usize>,
+    n: usize,
+    prompt_len: usize,
+    tx: UnboundedSender<StreamEvent>,
+    cancel: Arc<AtomicBool>,
+    seq_ids: Vec<usize>,
+    live: usize,
+    forked: bool,
+    /// Admitted at least once (no longer counts against the queue limit).
+    started: bool,
+}
+
+struct Seq {
+    req: usize,
+    index: usize,
+    tokens: Vec<u32>,
+    num_computed: usize,
+    blocks: Vec<BlockId>,
+    num_registered: usize,
+    chain_ok: bool,
+    sampler: Sampler,
+    detok: Detok,
+    stop: StopScan,
+    /// Admission order (preemption picks the largest); 0 = never admitted.
+    order: u64,
+    running: bool,
+    waiting_since: u64,
+    /// Index of this step's schedule entry, if scheduled.
+    scheduled: bool,
+}
+
+#[derive(Default)]
+struct Counters {
+    prefix_queries: u64,
+    prefix_hits: u64,
+    adapter_loads: u64,
+    adapter_load_failures: u64,
+    slot_loads: u64,
+    slot_evictions: u64,
+    preemptions: u64,
+    generated: u64,
+    prefill_tokens: u64,
+}
+
+struct Core {
+    model: LlamaModel,
+    tokenizer: Arc<Tokenizer>,
+    eos: Vec<u32>,
+    kv: KvStorage,
+    ws: Workspace,
+    batch: ForwardBatch,
+    stride: usize,
+    pool: BlockPool,
+    manager: LoraManager,
+    shared: Arc<Shared>,
+    cfg: EngineConfig,
+    reqs: Vec<Option<Req>>,
+    free_reqs: Vec<usize>,
+    seqs: Vec<Option<Seq>>,
+    free_seqs: Vec<usize>,
+    /// Running sequence ids sorted by admission order (newest last).
+    running: Vec<usize>,
+    waiting: VecDeque<usize>,
+    /// Requests for a name whose first load is in progress.
+    pending_load: HashMap<String, Vec<NewRequest>>,
+    /// Running sequences per adapter version.
+    running_adapters: HashMap<AdapterKey, usize>,
+    next_order: u64,
+    step_no: u64,
+    shutdown: bool,
+    sched: Vec<(usize, usize)>,
+    seq_adapters: Vec<Option<AdapterKey>>,
+    keys_buf: Vec<Option<AdapterKey>>,
+    match_buf: Vec<BlockId>,
+    logits_buf: Vec<f32>,
+    work_buf: Vec<f32>,
+    cand_buf: Vec<(usize, usize)>,
+    counters: Counters,
+}
+
+impl Core {
+    fn seq(&self, s: usize) -> &Seq {
+        self.seqs[s].as_ref().expect("live sequence")
+    }
+    fn seq_mut(&mut self, s: usize) -> &mut Seq {
+        self.seqs[s].as_mut().expect("live sequence")
+    }
+    fn req(&self, r: usize) -> &Req {
+        self.reqs[r].as_ref().expect("live request")
+    }
+    fn req_mut(&mut self, r: usize) -> &mut Req {
+        self.reqs[r].as_mut().expect("live request")
+    }
+
+    fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    fn run(mut self, rx: Receiver<Msg>) {
+        loop {
+            if !self.has_work() {
+                if self.shutdown {
+                    break;
+                }
+                match rx.recv() {
+                    Ok(m) => self.handle(m),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(m) = rx.try_recv() {
+                self.handle(m);
+            }
+            self.check_cancellations();
+            if !self.has_work() {
+                self.publish_stats();
+                continue;
+            }
+            let progressed = self.step();
+            self.publish_stats();
+            if !progressed {
+                // Nothing could run (e.g. every waiting request needs a slot held by a
+                // failing adapter): wait for a message rather than spin.
+                if let Ok(m) = rx.recv_timeout(Duration::from_millis(5)) {
+                    self.handle(m);
+                }
+            }
+        }
+        for (_, reqs) in std::mem::take(&mut self.pending_load) {
+            for r in reqs {
+                let _ = r.tx.send(StreamEvent::Error("the engine shut down before the adapter finished loading".into()));
+                let _ = r.tx.send(StreamEvent::Finished { index: 0, reason: FinishReason::Abort, prompt_tokens: r.req.prompt.len(), completion_tokens: 0 });
+            }
+        }
+        self.publish_stats();
+    }
+
+    fn handle(&mut self, m: Msg) {
+        match m {
+            Msg::Submit(nr) => self.accept(*nr),
+            Msg::Wake => {}
+            Msg::AdapterLoaded { job, result } => self.finish_load(job, result),
+            Msg::Unload(name) => {
+                if let Err(e) = self.manager.unload_adapter(&name) {
+                    tracing::warn!(adapter = %name, "unload: {e}");
+                }
+            }
+            Msg::Debug(tx) => {
+                self.check_cancellations();
+                let _ = tx.send(self.debug_state());
+            }
+            Msg::Shutdown => self.shutdown = true,
+        }
+    }
+
+    fn debug_state(&self) -> DebugState {
+        DebugState {
+            kv_total: self.pool.num_blocks(),
+            kv_free: self.pool.num_free(),
+            kv_cached_idle: self.pool.num_cached_idle(),
+            kv_in_use: self.pool.num_in_use(),
+            kv_invariants: self.pool.check_invariants(),
+            requests: self.reqs.iter().filter(|r| r.is_some()).count(),
+            running_seqs: self.running.len(),
+            waiting_seqs: self.waiting.len(),
+            pending_on_load: self.pending_load.values().map(|v| v.len()).sum(),
+            queued: self.shared.queued.load(Ordering::SeqCst),
+            lora_versions: self.manager.adapters().into_iter().map(|a| (a.name, a.key.version, a.in_flight, a.current)).collect(),
+            lora_resident: self.manager.resident().into_iter().map(|(s, k)| (s, k.version)).collect(),
+            lora_pinned_slots: self.manager.pool().pinned_count(),
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! One engine step: build the batch, run the forward pass (with the LoRA hook when any row
+//! has an adapter), sample, stream, and publish statistics.
+
+use super::*;
+
+impl Core {
+    /// One engine step. False when nothing could be scheduled.
+    pub(super) fn step(&mut self) -> bool {
+        self.step_no += 1;
+        if !self.schedule() {
+            return false;
+        }
+        // Build the batch.
+        self.batch.clear(self.stride);
+        self.seq_adapters.clear();
+        for &(si, chunk) in &self.sched {
+            let s = self.seqs[si].as_ref().expect("scheduled sequence");
+            let end = s.num_computed + chunk;
+            let want = if end == s.tokens.len() { LogitsFor::Last } else { LogitsFor::None };
+            self.batch.push_seq(&s.tokens[s.num_computed..end], s.num_computed, &s.blocks, want);
+            self.seq_adapters.push(self.reqs[s.req].as_ref().expect("live request").adapter);
+            if !(chunk == 1 && end == s.tokens.len()) {
+                self.counters.prefill_tokens += chunk as u64;
+            }
+        }
+        // Forward.
+        let any_lora = self.seq_adapters.iter().any(|a| a.is_some());
+        if any_lora {
+            self.count_slot_loads();
+            let hook = self.manager.prepare_batch(&self.seq_adapters, &self.batch.seq_starts, &self.batch.logits_rows);
+            match hook {
+                Ok(hook) => {
+                    self.model.forward(&self.batch, &mut self.kv, &mut self.ws, &hook as &dyn LoraHook);
+                }
+                Err(e) => {
+                    self.fail_unresident(e);
+                    for &(si, _) in &self.sched {
+                        if let Some(s) = self.seqs[si].as_mut() {
+                            s.scheduled = false;
+                        }
+                    }
+                    return true;
+                }
+            }
+        } else {
+            self.model.forward(&self.batch, &mut self.kv, &mut self.ws, &NoLora);
+        }
+        // Sample and stream.
+        let vocab = self.model.config.vocab_size;
+        let mut row = 0;
+        let sched = std::mem::take(&mut self.sched);
+        let mut logits = std::mem::take(&mut self.logits_buf);
+        logits.resize(vocab, 0.0);
+        for &(si, chunk) in &sched {
+            let s = self.seq_mut(si);
+            s.scheduled = false;
+            s.num_computed += chunk;
+            let wants = s.num_computed == s.tokens.len();
+            self.register_blocks(si);
+            if wants {
+                logits.copy_from_slice(&self.ws.host_logits[row * vocab..(row + 1) * vocab]);
+                row += 1;
+                self.sample_seq(si, &logits);
+            }
+        }
+        self.logits_buf = logits;
+        self.sched = sched;
+        self.sched.clear();
+        true
+    }
+
+    pub(super) fn count_slot_loads(&mut self) {
+        self.keys_buf.clear();
+        for k in self.seq_adapters.iter().flatten() {
+            if !self.keys_buf.contains(&Some(*k)) {
+                self.keys_buf.push(Some(*k));
+            }
+        }
+        let mut loads = 0;
+        for k in self.keys_buf.iter().flatten() {
+            if !self.manager.is_resident(*k) {
+                loads += 1;
+            }
+        }
+        if loads > 0 {
+            let resident = self.manager.resident().len();
+            let free = self.manager.pool().num_slots() - resident;
+            self.counters.slot_loads += loads;
+            self.counters.slot_evictions += loads.saturating_sub(free as u64);
+        }
+    }
+
+    /// `prepare_batch` failed (e.g. an evicted adapter's files changed on disk): fail the
+    /// requests whose adapter could not be made resident.
+    pub(super) fn fail_unresident(&mut self, e: LoraError) {
+        tracing::warn!("LoRA batch preparation failed: {e}");
+        let bad: Vec<AdapterKey> = self.seq_adapters.iter().flatten().copied().filter(|k| !self.manager.is_resident(*k)).collect();
+        for ri in 0..self.reqs.len() {
+            let hit = self.reqs[ri].as_ref().is_some_and(|r| r.adapter.is_some_and(|k| bad.contains(&k)));
+            if hit {
+                self.abort_request(ri, Some(format!("LoRA adapter could not be loaded into a slot: {e}")));
+            }
+        }
+    }
+
+    pub(super) fn register_blocks(&mut self, si: usize) {
+        if !self.pool.prefix_cache_enabled() {
+            return;
+        }
+        let bs = self.pool.block_size();
+        let s = self.seqs[si].as_mut().expect("live sequence");
+        if !s.chain_ok {
+            return;
+        }
+        let root = self.reqs[s.req].as_ref().expect("live request").adapter;
+        let full = s.num_computed / bs;
+        while s.num_registered < full {
+            let b = s.num_registered;
+            let parent = if b == 0 { Parent::Root(root) } else { Parent::Block(s.blocks[b - 1]) };
+            if !self.pool.register(s.blocks[b], parent, &s.tokens[b * bs..(b + 1) * bs]) {
+                s.chain_ok = false;
+                return;
+            }
+            s.num_registered += 1;
+        }
+    }
+
+    pub(super) fn sample_seq(&mut self, si: usize, logits: &[f32]) {
+        let ri = self.seq(si).req;
+        if !self.req(ri).forked {
+            for s in self.fork(si) {
+                self.sample_one(s, logits);
+            }
+        } else {
+            self.sample_one(si, logits);
+        }
+    }
+
+    pub(super) fn sample_one(&mut self, si: usize, logits: &[f32]) {
+        let mut work = std::mem::take(&mut self.work_buf);
+        work.clear();
+        work.extend_from_slice(logits);
+        let ri = self.seq(si).req;
+        let tokenizer = self.tokenizer.clone();
+        let eos_hit;
+        let (tok, logprob) = {
+            let s = self.seqs[si].as_mut().expect("live sequence");
+            let r = self.reqs[ri].as_ref().expect("live request");
+            s.sampler.apply_penalties(&mut work);
+            let tok = s.sampler.sample(&work);
+            let lp = r.logprobs.map(|k| {
+                let mut top = Vec::new();
+                let lp = sampling::logprobs(&work, tok, k, &mut top);
+                TokenLogprob { logprob: lp, top }
+            });
+            s.sampler.observe(tok);
+            s.tokens.push(tok);
+            eos_hit = r.stop_ids.contains(&tok) || (!r.ignore_eos && self.eos.contains(&tok));
+            (tok, lp)
+        };
+        self.work_buf = work;
+        self.counters.generated += 1;
+        let s = self.seqs[si].as_mut().expect("live sequence");
+        let r = self.reqs[ri].as_ref().expect("live request");
+        let completion = s.tokens.len() - r.prompt_len;
+        let mut text = String::new();
+        let mut finish = None;
+        if eos_hit {
+            // The stop token's own text is never shown; release what was held back.
+            let n = s.tokens.len();
+            if let Some(t) = s.detok.flush(&tokenizer, &s.tokens[..n - 1]) {
+                s.stop.push(&t, &r.stop, &mut text);
+            }
+            s.stop.flush(&mut text);
+            finish = Some(FinishReason::Stop);
+        } else {
+            if let Some(t) = s.detok.step(&tokenizer, &s.tokens) {
+                if s.stop.push(&t, &r.stop, &mut text) {
+                    finish = Some(FinishReason::Stop);
+                }
+            }
+            if finish.is_none() && completion >= r.max_tokens {
+                if let Some(t) = s.detok.flush(&tokenizer, &s.tokens) {
+                    if s.stop.push(&t, &r.stop, &mut text) {
+                        finish = Some(FinishReason::Stop);
+                    }
+                }
+                if finish.is_none() {
+                    s.stop.flush(&mut text);
+                    finish = Some(FinishReason::Length);
+                }
+            }
+        }
+        let _ = r.tx.send(StreamEvent::Token { index: s.index, token_id: tok, text, logprob });
+        if let Some(reason) = finish {
+            self.end_seq(si, reason);
+        }
+    }
+
+    pub(super) fn publish_stats(&mut self) {
+        let mut st = self.shared.stats.lock().unwrap();
+        st.running_seqs = self.running.len();
+        st.kv_blocks_used = self.pool.num_in_use();
+        st.kv_blocks_cached = self.pool.num_cached_idle();
+        st.kv_blocks_free = self.pool.num_free();
+        st.prefix_cache_queries = self.counters.prefix_queries;
+        st.prefix_cache_hits = self.counters.prefix_hits;
+        st.adapter_loads = self.counters.adapter_loads;
+        st.adapter_load_failures = self.counters.adapter_load_failures;
+        st.lora_slot_loads = self.counters.slot_loads;
+        st.lora_slot_evictions = self.counters.slot_evictions;
+        st.preemptions = self.counters.preemptions;
+        st.steps = self.step_no;
+        st.generated_tokens = self.counters.generated;
+        st.prefill_tokens = self.counters.prefill_tokens;
+        st.running = 0;
+        st.waiting = 0;
+        for a in st.per_adapter.iter_mut() {
+            a.running = 0;
+            a.waiting = 0;
+        }
+        let pending: usize = self.pending_load.values().map(|v| v.len()).sum();
+        st.waiting += pending;
+        for r in self.reqs.iter().flatten() {
+            let running = r.seq_ids.iter().any(|&s| self.seqs[s].as_ref().is_some_and(|s| s.running));
+            if running {
+                st.running += 1;
+            } else {
+                st.waiting += 1;
+            }
+            if let Some(name) = &r.adapter_name {
+                let e = match st.per_adapter.iter().position(|a| a.name == **name) {
+                    Some(p) => &mut st.per_adapter[p],
+                    None => {
+                        st.per_adapter.push(AdapterStats { name: name.to_string(), ..Default::default() });
+                        st.per_adapter.last_mut().unwrap()
+                    }
+                };
+                if running {
+                    e.running += 1;
+                } else {
+                    e.waiting += 1;
+                }
+            }
+        }
+        for (name, v) in &self.pending_load {
+            match st.per_adapter.iter().position(|a| a.name == *name) {
+                Some(p) => st.per_adapter[p].waiting += v.len(),
+                None => st.per_adapter.push(AdapterStats { name: name.clone(), running: 0, waiting: v.len() }),
+            }
+        }
+        st.per_adapter.retain(|a| a.running + a.waiting > 0);
+    }
+}
