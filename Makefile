@@ -25,7 +25,7 @@ test-amx: test-data
 # The CUDA device builds everywhere (CUDA is loaded at run time); its tests need a GPU and run
 # through scripts/gpu-check.sh on one, so CI compiles them only.
 check-cuda:
-	$(CARGO) check --workspace --tests --features quiver/cuda,quiver-engine/cuda
+	$(CARGO) check --workspace --tests --features quiver/cuda,quiver-engine/cuda,quiver-lora/cuda
 
 build:
 	$(CARGO) build --release -p quiver

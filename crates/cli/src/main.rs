@@ -4,6 +4,8 @@ mod bench_cmd;
 mod bench_engine;
 mod bench_generate;
 mod bench_lora;
+#[cfg(feature = "cuda")]
+mod bench_lora_gpu;
 mod bench_lora_kernels;
 mod generate_cmd;
 mod model_path;

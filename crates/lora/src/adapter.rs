@@ -43,7 +43,7 @@ impl FileStamp {
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct LoraAdapter {
     pub name: String,
     pub path: PathBuf,
@@ -245,6 +245,40 @@ impl LoraAdapter {
             return Err(terr(&tname, "has no matching lora_A/lora_B partner".into()));
         }
         Ok(LoraAdapter { name: name.into(), path: dir.to_path_buf(), config, num_layers: dims.num_layers, modules, embed_tokens, lm_head, stamp })
+    }
+
+    /// An in-memory adapter with random weights on every layer of `modules` at rank `rank`
+    /// (benchmarks: a pool full of 8B-shaped adapters without writing gigabytes of files). A is
+    /// uniform with std `1/√in`, B uniform with std `b_std`, from a fixed-seed xorshift.
+    pub fn synthetic(name: &str, dims: &LoraModelDims, modules: &[LoraModule], rank: usize, alpha: f32, b_std: f32, seed: u64) -> Result<Self> {
+        let cfg = serde_json::json!({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": modules.iter().map(|m| m.name()).collect::<Vec<_>>()});
+        let config = AdapterConfig::parse(name, &cfg.to_string())?;
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut uniform = |n: usize, std: f32| -> Vec<f32> {
+            let a = std * 3f32.sqrt();
+            (0..n)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+                })
+                .collect()
+        };
+        let scaling = alpha / rank as f32;
+        let mut pair = |m: LoraModule| {
+            let (din, dout) = dims.module_dims(m);
+            ModuleWeights { rank, scaling, a: uniform(rank * din, 1.0 / (din as f32).sqrt()), b: uniform(dout * rank, b_std) }
+        };
+        let mut layer_modules = Vec::with_capacity(dims.num_layers * 7);
+        for _ in 0..dims.num_layers {
+            for m in LoraModule::PROJECTIONS {
+                layer_modules.push(modules.contains(&m).then(|| pair(m)));
+            }
+        }
+        let embed_tokens = modules.contains(&LoraModule::EmbedTokens).then(|| pair(LoraModule::EmbedTokens));
+        let lm_head = modules.contains(&LoraModule::LmHead).then(|| pair(LoraModule::LmHead));
+        Ok(LoraAdapter { name: name.into(), path: PathBuf::new(), config, num_layers: dims.num_layers, modules: layer_modules, embed_tokens, lm_head, stamp: None })
     }
 
     /// The weights of a projection in `layer`, if the adapter has it.

@@ -44,7 +44,7 @@ pub mod mem_pool;
 pub mod registry;
 
 pub use adapter::LoraAdapter;
-pub use backend::{backend_names, validate_backend, LoraBackend};
+pub use backend::{backend_names, validate_backend, LoraBackend, SiteRef};
 pub use batch::LoraBatchInfo;
 pub use config::{AdapterConfig, LoraModule};
 pub use error::LoraError;
@@ -128,8 +128,8 @@ pub struct LoraModelDims {
 /// The seam between the forward pass and LoRA. `m` rows of the batch are processed; which
 /// adapter each row uses is the implementor's business (it was prepared for this batch).
 ///
-/// `dev` is the device holding the tensors: a hook whose kernels cannot read that device's
-/// memory directly goes through it to copy.
+/// `dev` is the device holding the tensors; the hook has it run its LoRA kernel
+/// (`Device::lora_apply`) on them where they live.
 pub trait LoraHook: Sync {
     /// `y[r, :] += Δ_site(x[r, :])` for every row `r < m` whose adapter targets this site.
     /// `x` is the linear's input `[m, in]`, `y` its fused base output `[m, out]`.
@@ -141,6 +141,16 @@ pub trait LoraHook: Sync {
     fn lm_head(&self, dev: &dyn Device, x: &Tensor, rows: &[u32], logits: &mut Tensor);
     /// False when no row of this batch has an adapter, so the model may skip every call.
     fn is_active(&self) -> bool;
+    /// Host metadata to stage with the batch (`Device::stage_batch`'s `extra`): the row
+    /// groupings packed for a device that reads its own copy; empty slices otherwise.
+    fn staged(&self) -> [&[u32]; 4] {
+        [&[]; 4]
+    }
+    /// Mixed into the step's shape key: nonzero when the step runs LoRA kernels, whose launches
+    /// a recorded step must contain.
+    fn shape_key(&self) -> u64 {
+        0
+    }
 }
 
 /// The hook for a batch with no adapters at all.

@@ -4,11 +4,11 @@
 //! [`BatchHook`] the model's forward pass calls.
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::Arc;
 
-use quiver_kernels::{Device, DeviceKind, Tensor};
+use quiver_kernels::{Device, DeviceKind, LoraX, Tensor};
 
-use crate::backend::{create_backend, LoraBackend, LoraInput, Scratch, DEFAULT_BACKEND};
+use crate::backend::{create_backend, LoraBackend, SiteRef, DEFAULT_BACKEND};
 use crate::batch::{LoraBatchInfo, DEFAULT_CHUNK_SIZE};
 use crate::config::LoraModule;
 use crate::error::{LoraError, Result};
@@ -60,18 +60,15 @@ pub struct LoraManager {
     registry: LoraRegistry,
     backend: Box<dyn LoraBackend>,
     batch: LoraBatchInfo,
-    scratch: Mutex<Scratch>,
-    /// Host copies of a site's input and output when the model's tensors live on a device
-    /// (the CUDA stop-gap: see [`BatchHook`]).
-    staging: Mutex<HostStaging>,
     batch_keys: Vec<AdapterKey>,
     seq_slots: Vec<Option<u32>>,
 }
 
 impl LoraManager {
-    /// Validates the configuration and allocates the slot pool once.
-    pub fn new(dims: LoraModelDims, config: LoraConfig, device: DeviceKind) -> Result<Self> {
-        let backend = create_backend(&config.backend, device).map_err(LoraError::Invalid)?;
+    /// Validates the configuration and allocates the slot pool once, on `device` (the model's).
+    pub fn new(dims: LoraModelDims, config: LoraConfig, device: Arc<dyn Device>) -> Result<Self> {
+        let kind = device.kind();
+        let backend = create_backend(&config.backend, kind).map_err(LoraError::Invalid)?;
         if config.max_loaded_loras < config.max_loras_per_batch {
             return Err(LoraError::Invalid(format!(
                 "max_loaded_loras ({}) must be at least max_loras_per_batch ({})",
@@ -81,22 +78,18 @@ impl LoraManager {
         if config.target_modules.is_empty() {
             return Err(LoraError::Invalid("LoRA target_modules is empty".into()));
         }
-        let pool = LoraMemoryPool::new(dims, config.max_loras_per_batch, config.max_lora_rank, &config.target_modules, config.eviction_policy)?;
-        tracing::info!(bytes = pool.size_bytes(), slots = config.max_loras_per_batch, rank = config.max_lora_rank, "allocated LoRA memory pool");
+        let tile_rows = device.lora_tile_rows();
+        let pool = LoraMemoryPool::new(device, dims, config.max_loras_per_batch, config.max_lora_rank, &config.target_modules, config.eviction_policy)?;
+        tracing::info!(bytes = pool.size_bytes(), slots = config.max_loras_per_batch, rank = config.max_lora_rank, device = %kind, "allocated LoRA memory pool");
         let s = config.max_loras_per_batch;
-        let mut scratch = Scratch::default();
-        // Decode-sized scratch up front; prefill grows it once.
-        crate::backend::ensure(&mut scratch.shrink, config.max_batch_tokens.min(256) * 3 * config.max_lora_rank);
         Ok(LoraManager {
-            batch: LoraBatchInfo::with_capacity(s, config.max_batch_tokens, config.chunk_size),
+            batch: LoraBatchInfo::with_capacity(s, config.max_batch_tokens, config.chunk_size, tile_rows),
             registry: LoraRegistry::new(config.max_loaded_loras),
-            scratch: Mutex::new(scratch),
-            staging: Mutex::new(HostStaging::default()),
             batch_keys: Vec::with_capacity(s + 1),
             seq_slots: Vec::with_capacity(config.max_batch_tokens),
             dims,
             config,
-            device,
+            device: kind,
             pool,
             backend,
         })
@@ -140,6 +133,19 @@ impl LoraManager {
                 return Err(e);
             }
         }
+        self.registry.enforce_host_cap(&[key]);
+        Ok(key)
+    }
+
+    /// Registers weights already in memory (read and validated elsewhere, or made by
+    /// [`LoraAdapter::synthetic`]) under a new name. `path` is where a host-cache eviction would
+    /// reload them from.
+    pub fn add_adapter(&mut self, name: &str, path: impl AsRef<Path>, adapter: LoraAdapter) -> Result<AdapterKey> {
+        if self.registry.resolve(name).is_some() {
+            return Err(LoraError::AlreadyLoaded(name.to_string()));
+        }
+        adapter.check_compatible(self.pool.max_rank(), self.pool.modules())?;
+        let (key, _) = self.registry.insert(name, path.as_ref(), adapter, false);
         self.registry.enforce_host_cap(&[key]);
         Ok(key)
     }
@@ -303,7 +309,7 @@ impl LoraManager {
         }
         let pool = &self.pool;
         self.batch.build(&self.seq_slots, seq_starts, logits_rows, |s| pool.slot_max_rank(s))?;
-        Ok(BatchHook { pool: &self.pool, info: &self.batch, backend: &*self.backend, scratch: &self.scratch, staging: &self.staging })
+        Ok(BatchHook { pool: &self.pool, info: &self.batch, backend: &*self.backend })
     }
 
     /// The metadata of the last prepared batch.
@@ -366,55 +372,24 @@ impl LoraManager {
     }
 }
 
-/// Host buffers for staging device tensors through the CPU backends; they only grow.
-#[derive(Default)]
-struct HostStaging {
-    x: Vec<f32>,
-    y: Vec<f32>,
-}
-
-/// The [`LoraHook`] of one prepared batch.
-///
-/// When the model's activations live in device memory (CUDA), each call copies the site's input
-/// and output rows to host, applies the deltas with the CPU backend and uploads the output
-/// again. That is correct for every backend and adapter shape but costs two transfers per
-/// site; it stands in until LoRA kernels run on the GPU itself.
+/// The [`LoraHook`] of one prepared batch: each call hands the site's slot buffers and the
+/// batch's row grouping to the backend, which has the model's device run its LoRA kernel on
+/// the tensors where they live.
 pub struct BatchHook<'a> {
     pool: &'a LoraMemoryPool,
     info: &'a LoraBatchInfo,
     backend: &'a dyn LoraBackend,
-    scratch: &'a Mutex<Scratch>,
-    staging: &'a Mutex<HostStaging>,
 }
+
+/// Mixed into a step's shape key when any row has an adapter: the step then has LoRA launches.
+const LORA_SHAPE_SALT: u64 = 0x9e37_79b9_7f4a_7c15;
 
 impl BatchHook<'_> {
     pub fn info(&self) -> &LoraBatchInfo {
         self.info
     }
-    fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
-        // A panic in another kernel call cannot leave Scratch inconsistent (it is only
-        // working memory), so a poisoned lock is still usable.
-        self.scratch.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Runs `f(x_host, y_host)` on host views of `x[..x_len]` (absent when `x` is None) and
-    /// `y[..y_len]`, copying through `dev` when the tensors are not in host memory.
-    fn on_host(&self, dev: &dyn Device, x: Option<(&Tensor, usize)>, y: &mut Tensor, y_len: usize, f: impl FnOnce(&[f32], &mut [f32])) {
-        if y.is_host() {
-            let xs = x.map(|(t, n)| &t.as_cpu()[..n]).unwrap_or(&[]);
-            return f(xs, &mut y.as_cpu_mut()[..y_len]);
-        }
-        let mut st = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        let HostStaging { x: xb, y: yb } = &mut *st;
-        let x_len = x.map(|(_, n)| n).unwrap_or(0);
-        crate::backend::ensure(xb, x_len);
-        crate::backend::ensure(yb, y_len);
-        if let Some((t, n)) = x {
-            dev.to_host(t, n, &mut xb[..n]);
-        }
-        dev.to_host(y, y_len, &mut yb[..y_len]);
-        f(&xb[..x_len], &mut yb[..y_len]);
-        dev.upload(&yb[..y_len], y);
+    fn site_ref<'s>(&'s self, site: Option<(&'s quiver_kernels::LoraSiteBuffers, usize)>) -> Option<SiteRef<'s>> {
+        site.map(|(buffers, entry)| SiteRef { buffers, table: self.pool.table(), entry })
     }
 }
 
@@ -423,37 +398,42 @@ impl LoraHook for BatchHook<'_> {
         if !self.info.is_active() {
             return;
         }
-        let Some(view) = self.pool.site_view(layer, site) else { return };
+        let Some(s) = self.site_ref(self.pool.site(layer, site)) else { return };
         assert_eq!(m, self.info.tokens.rows(), "LoRA hook called with {m} rows but the batch was prepared for {}", self.info.tokens.rows());
-        self.on_host(dev, Some((x, m * view.in_dim)), y, m * view.out_dim, |xs, ys| {
-            self.backend.apply(&view, &self.info.tokens, LoraInput::Dense(xs), ys, &mut self.scratch())
-        });
+        self.backend.apply(dev, s, &self.info.tokens, LoraX::Dense(x), y);
     }
 
     fn embedding(&self, dev: &dyn Device, ids: &[u32], out: &mut Tensor) {
         if !self.info.is_active() {
             return;
         }
-        let Some(view) = self.pool.embedding_view() else { return };
+        let Some(s) = self.site_ref(self.pool.embedding()) else { return };
         assert_eq!(ids.len(), self.info.tokens.rows(), "LoRA embedding hook: ids do not match the prepared batch");
-        self.on_host(dev, None, out, ids.len() * view.out_dim, |_, ys| {
-            self.backend.apply(&view, &self.info.tokens, LoraInput::TokenIds(ids), ys, &mut self.scratch())
-        });
+        self.backend.apply(dev, s, &self.info.tokens, LoraX::TokenIds(ids), out);
     }
 
     fn lm_head(&self, dev: &dyn Device, x: &Tensor, rows: &[u32], logits: &mut Tensor) {
         if self.info.logits.adapter_rows == 0 {
             return;
         }
-        let Some(view) = self.pool.lm_head_view() else { return };
+        let Some(s) = self.site_ref(self.pool.lm_head()) else { return };
         assert_eq!(rows, &self.info.logits_rows[..], "LoRA lm_head hook: rows differ from the prepared logits rows");
-        let n = rows.len();
-        self.on_host(dev, Some((x, n * view.in_dim)), logits, n * view.out_dim, |xs, ys| {
-            self.backend.apply(&view, &self.info.logits, LoraInput::Dense(xs), ys, &mut self.scratch())
-        });
+        self.backend.apply(dev, s, &self.info.logits, LoraX::Dense(x), logits);
     }
 
     fn is_active(&self) -> bool {
         self.info.is_active()
+    }
+
+    fn staged(&self) -> [&[u32]; 4] {
+        let (t, l) = (&self.info.tokens, &self.info.logits);
+        [&t.packed_segments, &t.packed_chunks, &l.packed_segments, &l.packed_chunks]
+    }
+
+    /// Whether the token rows and the logits rows have adapter rows decides which LoRA calls a
+    /// step makes (the hook skips the others), so both go into the key.
+    fn shape_key(&self) -> u64 {
+        let (t, l) = (self.info.tokens.adapter_rows > 0, self.info.logits.adapter_rows > 0);
+        if t || l { LORA_SHAPE_SALT.rotate_left(l as u32) ^ t as u64 } else { 0 }
     }
 }

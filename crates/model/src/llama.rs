@@ -150,11 +150,11 @@ impl LlamaModel {
             block_table_stride: batch.block_table_stride,
         };
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        d.stage_batch(&batch.tokens, &attn_batch, &batch.logits_rows);
+        d.stage_batch(&batch.tokens, &attn_batch, &batch.logits_rows, &lora.staged());
 
-        // Launches depend only on the batch's layout, so equal layouts may replay a recording
-        // (CUDA graphs). Host-staged LoRA copies mid-step, so it always runs eagerly.
-        let shape = (!lora_on).then(|| batch.shape_key());
+        // Launches depend only on the batch's layout (and on whether LoRA kernels run), so equal
+        // layouts may replay a recording (CUDA graphs): which adapters the rows use is data.
+        let shape = Some(batch.shape_key() ^ lora.shape_key());
         d.run_step(m, shape, &mut || {
             d.embedding(&self.embed, &batch.tokens, &mut ws.x);
             if lora_on {

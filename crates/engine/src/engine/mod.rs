@@ -132,6 +132,20 @@ impl Engine {
         let tokenizer = Arc::new(tokenizer);
         let c = &model.config;
         let max_model_len = cfg.max_model_len.unwrap_or(c.max_position_embeddings).min(model.rope.max_pos).max(1);
+        let dims = model.lora_dims();
+        let lcfg = LoraConfig {
+            max_loras_per_batch: cfg.max_loras_per_batch,
+            max_lora_rank: cfg.max_lora_rank,
+            max_loaded_loras: cfg.max_loaded_loras,
+            eviction_policy: cfg.eviction_policy,
+            backend: cfg.lora_backend.clone(),
+            target_modules: cfg.lora_target_modules.clone(),
+            chunk_size: quiver_lora::batch::DEFAULT_CHUNK_SIZE,
+            max_batch_tokens: cfg.max_num_batched_tokens,
+        };
+        // The LoRA pool lives on the model's device: allocate it before sizing the KV cache from
+        // what memory is left.
+        let manager = LoraManager::new(dims, lcfg, model.device.clone()).map_err(|e| anyhow::anyhow!("LoRA setup: {e}"))?;
         let bs = cfg.block_size;
         let bpb = model.kv_bytes_per_block(bs);
         let num_blocks = match cfg.kv_cache_memory {
@@ -146,18 +160,6 @@ impl Engine {
             }
         };
         anyhow::ensure!(num_blocks >= 2, "kv_cache_memory is too small: one block of {bs} tokens takes {bpb} bytes");
-        let dims = model.lora_dims();
-        let lcfg = LoraConfig {
-            max_loras_per_batch: cfg.max_loras_per_batch,
-            max_lora_rank: cfg.max_lora_rank,
-            max_loaded_loras: cfg.max_loaded_loras,
-            eviction_policy: cfg.eviction_policy,
-            backend: cfg.lora_backend.clone(),
-            target_modules: cfg.lora_target_modules.clone(),
-            chunk_size: quiver_lora::batch::DEFAULT_CHUNK_SIZE,
-            max_batch_tokens: cfg.max_num_batched_tokens,
-        };
-        let manager = LoraManager::new(dims, lcfg, model.device.kind()).map_err(|e| anyhow::anyhow!("LoRA setup: {e}"))?;
         let kv = model.alloc_kv(num_blocks, bs);
         tracing::info!(num_blocks, block_size = bs, bytes = num_blocks * bpb, max_model_len, "allocated paged KV cache");
         let shared = Arc::new(Shared {

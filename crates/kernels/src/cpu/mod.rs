@@ -6,11 +6,12 @@
 pub mod amx;
 mod attention;
 mod dot;
-pub mod lora;
+mod lora;
+pub mod lora_tiles;
 pub mod panel;
 pub mod simd;
 
-use crate::{AttnBatch, Device, DeviceKind, KvStorage, RopeTable, Tensor, Weight, WeightData};
+use crate::{AttnBatch, Device, DeviceKind, KvStorage, LoraCall, LoraX, RopeTable, Tensor, Weight, WeightData};
 use rayon::prelude::*;
 
 
@@ -114,6 +115,10 @@ impl Device for CpuDevice {
 
     fn alloc(&self, len: usize) -> Tensor {
         Tensor::zeros_cpu(len)
+    }
+
+    fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
+        lora::apply(call, x, y.as_cpu_mut());
     }
 
     /// Weights are repacked once here for the GEMM that runs them at every M: column panels
