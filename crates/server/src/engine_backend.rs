@@ -135,7 +135,10 @@ impl Backend for EngineBackend {
             preemptions: s.preemptions,
         }
     }
+    /// Waits for the engine thread to end: it owns the model and the LoRA pool, and on a GPU the
+    /// process must not exit (tearing the CUDA driver down) while that thread still frees device
+    /// memory (the H200 check saw a segfault after "quiver: stopped" without this).
     fn shutdown(&self) {
-        self.handle.shutdown();
+        self.handle.shutdown_and_join();
     }
 }
