@@ -13,7 +13,7 @@ pub mod sampling;
 pub mod testing;
 pub mod text;
 
-pub use api::{AdapterError, AdapterInfo, AdapterStats, Completion, DebugState, EngineStats, FinishReason, GenerateRequest, RequestStream, StreamEvent, SubmitError, TokenLogprob};
+pub use api::{AdapterError, AdapterInfo, AdapterStats, Completion, DebugState, EngineStats, FinishReason, GenerateRequest, RequestStream, StopReason, StreamEvent, SubmitError, TokenLogprob};
 pub use config::{EngineConfig, SchedulePolicy};
 pub use engine::{Engine, EngineHandle};
 pub use generate::{AdapterLora, BaseOnly, GenerateOptions, GenerateStats, Generator, StepLora};

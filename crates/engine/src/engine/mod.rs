@@ -52,6 +52,7 @@ use tokio::sync::oneshot;
 
 mod adapters;
 mod handle;
+mod prompt_logprobs;
 mod requests;
 mod schedule;
 mod step;
@@ -231,6 +232,15 @@ struct Req {
     logprobs: Option<usize>,
     n: usize,
     prompt_len: usize,
+    /// Prompt scoring (see `prompt_logprobs.rs`): top-k asked for, the next prompt index to
+    /// score, the logprobs so far, and whether they were sent.
+    prompt_logprobs: Option<usize>,
+    prompt_lp_next: usize,
+    prompt_lps: Vec<TokenLogprob>,
+    prompt_lps_sent: bool,
+    min_tokens: usize,
+    include_stop: bool,
+    skip_special: bool,
     tx: UnboundedSender<StreamEvent>,
     cancel: Arc<AtomicBool>,
     seq_ids: Vec<usize>,
@@ -257,6 +267,8 @@ struct Seq {
     waiting_since: u64,
     /// Index of this step's schedule entry, if scheduled.
     scheduled: bool,
+    /// The stop id or string that ended it (reported in `Finished`).
+    stop_reason: Option<StopReason>,
 }
 
 #[derive(Default)]
@@ -358,7 +370,7 @@ impl Core {
         for (_, reqs) in std::mem::take(&mut self.pending_load) {
             for r in reqs {
                 let _ = r.tx.send(StreamEvent::Error("the engine shut down before the adapter finished loading".into()));
-                let _ = r.tx.send(StreamEvent::Finished { index: 0, reason: FinishReason::Abort, prompt_tokens: r.req.prompt.len(), completion_tokens: 0 });
+                let _ = r.tx.send(StreamEvent::Finished { index: 0, reason: FinishReason::Abort, stop_reason: None, prompt_tokens: r.req.prompt.len(), completion_tokens: 0 });
             }
         }
         self.publish_stats();
