@@ -114,10 +114,15 @@ const UNSUPPORTED: &[(&str, &str)] = &[
     ("guided_whitespace_pattern", "null"),
     ("structural_tag", "null"),
     ("structured_outputs", "null"),
-    // SGLang's names for the same constraints.
+    // SGLang's names for the same constraints, and its extras.
     ("regex", "null"),
     ("ebnf", "null"),
     ("json_schema", "null"),
+    ("return_hidden_states", "false"),
+    ("session_params", "null"),
+    ("custom_params", "null"),
+    ("custom_logit_processor", "null"),
+    ("extra_key", "null"),
 ];
 
 /// Chat-only fields not implemented yet.
