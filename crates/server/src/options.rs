@@ -60,10 +60,13 @@ pub fn parse_output_options(f: &Fields, min_tokens_keys: &[&str]) -> Result<Outp
     Ok(o)
 }
 
+/// `(token id, bias)` pairs, sorted by id.
+pub type LogitBias = Vec<(u32, f32)>;
+
 /// OpenAI's `logit_bias` (`{"token id": bias}`, biases clamped to [-100, 100] as OpenAI and
 /// vLLM do) and vLLM's `allowed_token_ids`. Ids are checked against the vocabulary by the
 /// engine, which names the field.
-pub fn parse_token_constraints(f: &Fields) -> Result<(Vec<(u32, f32)>, Vec<u32>), ApiError> {
+pub fn parse_token_constraints(f: &Fields) -> Result<(LogitBias, Vec<u32>), ApiError> {
     let mut bias = Vec::new();
     if let Some(m) = f.object("logit_bias")? {
         let name = f.name("logit_bias");
