@@ -1,6 +1,7 @@
 //! The engine's public request/response types.
 
 use crate::sampling::SamplingParams;
+use crate::structured::Constraint;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -38,6 +39,9 @@ pub struct GenerateRequest {
     pub include_stop_str_in_output: bool,
     /// Leave special tokens' text out of the streamed text (the default).
     pub skip_special_tokens: bool,
+    /// Structured output: what the generated text must match (compiled at submission; an
+    /// invalid one is `SubmitError::InvalidConstraint`).
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for GenerateRequest {
@@ -56,6 +60,7 @@ impl Default for GenerateRequest {
             min_tokens: 0,
             include_stop_str_in_output: false,
             skip_special_tokens: true,
+            constraint: None,
         }
     }
 }
@@ -78,6 +83,8 @@ pub enum StopReason {
     Token(u32),
     /// One of the request's stop strings.
     Text(String),
+    /// The constraint's grammar reached a dead end (with [`FinishReason::Abort`]).
+    Grammar(String),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -127,6 +134,9 @@ pub enum SubmitError {
     PromptTooLong { prompt_tokens: usize, max_tokens: usize, max_model_len: usize },
     #[error("{0}")]
     Invalid(String),
+    /// The structured-output constraint does not compile (the message says why).
+    #[error("{0}")]
+    InvalidConstraint(String),
     #[error("the engine is shutting down")]
     ShuttingDown,
 }

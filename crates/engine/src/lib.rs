@@ -10,6 +10,7 @@ pub mod engine;
 pub mod generate;
 pub mod kv;
 pub mod sampling;
+pub mod structured;
 pub mod testing;
 pub mod text;
 
@@ -18,3 +19,4 @@ pub use config::{EngineConfig, SchedulePolicy};
 pub use engine::{Engine, EngineHandle};
 pub use generate::{AdapterLora, BaseOnly, GenerateOptions, GenerateStats, Generator, StepLora};
 pub use sampling::{SamplingParams, Sampler};
+pub use structured::Constraint;

@@ -28,6 +28,7 @@ pub struct GenRequest {
     pub min_tokens: usize,
     pub include_stop_str_in_output: bool,
     pub skip_special_tokens: bool,
+    pub constraint: Option<quiver_engine::Constraint>,
 }
 
 // The engine's own event payload types: the HTTP layer renders them as they are.
@@ -55,6 +56,9 @@ pub enum SubmitError {
     TooLong { prompt: usize, completion: usize, needed: usize, max: usize },
     #[error("{0}")]
     Invalid(String),
+    /// The structured-output constraint does not compile.
+    #[error("{0}")]
+    InvalidConstraint(String),
     #[error("the server is shutting down")]
     ShuttingDown,
 }

@@ -102,6 +102,7 @@ impl Backend for EngineBackend {
             min_tokens: r.min_tokens,
             include_stop_str_in_output: r.include_stop_str_in_output,
             skip_special_tokens: r.skip_special_tokens,
+            constraint: r.constraint,
         };
         let rs = self.handle.submit(req).map_err(|e| {
             use quiver_engine::SubmitError as E;
@@ -112,6 +113,7 @@ impl Backend for EngineBackend {
                     SubmitError::TooLong { prompt: prompt_tokens, completion: max_tokens, needed: prompt_tokens + max_tokens, max: max_model_len }
                 }
                 E::Invalid(m) => SubmitError::Invalid(m),
+                E::InvalidConstraint(m) => SubmitError::InvalidConstraint(m),
                 E::ShuttingDown => SubmitError::ShuttingDown,
             }
         })?;

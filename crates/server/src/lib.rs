@@ -14,6 +14,7 @@ pub mod options;
 pub mod request;
 pub mod server;
 mod sglang;
+pub mod structured;
 
 #[cfg(test)]
 mod tests;

@@ -109,18 +109,12 @@ const UNSUPPORTED: &[(&str, &str)] = &[
     ("priority", "0"),
     ("prompt_embeds", "null"),
     ("mm_processor_kwargs", "null"),
-    ("guided_json", "null"),
-    ("guided_regex", "null"),
-    ("guided_choice", "null"),
-    ("guided_grammar", "null"),
-    ("guided_decoding_backend", "null"),
+    // Structured output is read in structured.rs; llguidance has no whitespace pattern and
+    // Quiver no structural tags. SGLang's `ebnf` is its own EBNF dialect, not Lark.
     ("guided_whitespace_pattern", "null"),
     ("structural_tag", "null"),
-    ("structured_outputs", "null"),
-    // SGLang's names for the same constraints, and its extras.
-    ("regex", "null"),
     ("ebnf", "null"),
-    ("json_schema", "null"),
+    // SGLang's extras.
     ("return_hidden_states", "false"),
     ("session_params", "null"),
     ("custom_params", "null"),
@@ -148,20 +142,10 @@ pub fn refuse_unsupported(f: &Fields, chat: bool) -> Result<(), ApiError> {
             if !is_off(v, off) {
                 let what = match k {
                     "tools" | "functions" | "function_call" => "tool calling is not supported by this server yet",
-                    k if k.starts_with("guided_") || matches!(k, "structural_tag" | "structured_outputs" | "regex" | "ebnf" | "json_schema") => "structured output is not supported by this server yet",
                     _ => "is not supported by this server",
                 };
                 return Err(err(&f.name(k), what));
             }
-        }
-    }
-    // OpenAI's `response_format`: plain text is the default; constrained formats need
-    // structured output.
-    if let Some(rf) = f.object("response_format")? {
-        match rf.get("type").and_then(Value::as_str) {
-            Some("text") => {}
-            Some(t @ ("json_object" | "json_schema" | "structural_tag")) => return Err(ApiError::field("response_format", format!("`response_format` of type `{t}` needs structured output, which is not supported by this server yet"))),
-            other => return Err(ApiError::field("response_format", format!("`response_format.type` must be one of text, json_object, json_schema, structural_tag; got {other:?}"))),
         }
     }
     if chat {
@@ -188,9 +172,8 @@ mod tests {
     fn unsupported_fields_are_refused_by_name_and_defaults_pass() {
         for (body, field) in [
             (r#"{"use_beam_search":true}"#, "use_beam_search"),
-            (r#"{"guided_regex":"a+"}"#, "guided_regex"),
+            (r#"{"guided_whitespace_pattern":" "}"#, "guided_whitespace_pattern"),
             (r#"{"priority":3}"#, "priority"),
-            (r#"{"response_format":{"type":"json_object"}}"#, "response_format"),
             (r#"{"cache_salt":"x"}"#, "cache_salt"),
         ] {
             assert_eq!(refused(body, false).as_deref(), Some(field), "{body}");

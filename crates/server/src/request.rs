@@ -140,6 +140,8 @@ pub struct Common {
     pub stream: bool,
     pub include_usage: bool,
     pub out: OutputOptions,
+    /// Structured output, with the field that asked for it.
+    pub constraint: Option<crate::structured::Named>,
 }
 
 fn range_err(name: &str, want: &str, got: impl std::fmt::Display) -> ApiError {
@@ -236,7 +238,8 @@ pub fn parse_common(f: &Fields, max_tokens_keys: &[&str], default_temperature: f
             return Err(range_err(&nm("min_tokens"), &format!("at most max_tokens ({m})"), out.min_tokens));
         }
     }
-    Ok(Common { sampling: s, max_tokens, n, stop, stop_token_ids, ignore_eos, stream, include_usage, out })
+    let constraint = crate::structured::parse_constraint(f)?;
+    Ok(Common { sampling: s, max_tokens, n, stop, stop_token_ids, ignore_eos, stream, include_usage, out, constraint })
 }
 
 /// 400 unless `max_tokens` is at least 1 (routes without `echo`).
@@ -549,7 +552,7 @@ mod tests {
             (r#"{"prompt":"x","stream":true,"prompt_logprobs":2}"#, "prompt_logprobs"),
             (r#"{"prompt":"x","logit_bias":{"a":1}}"#, "logit_bias"),
             (r#"{"prompt":"x","truncate_prompt_tokens":0}"#, "truncate_prompt_tokens"),
-            (r#"{"prompt":"x","guided_json":{"type":"object"}}"#, "guided_json"),
+            (r#"{"prompt":"x","guided_json":5}"#, "guided_json"),
         ] {
             let e = err(parse_completion(body.as_bytes()));
             assert_eq!(e.status.as_u16(), 400, "{body}");

@@ -294,12 +294,13 @@ pub(crate) fn truncate_prompt(mut ids: Vec<u32>, k: Option<usize>) -> (Vec<u32>,
     }
 }
 
-/// vLLM's `stop_reason`: the stop string, the stop token id, or null (EOS, length).
+/// vLLM's `stop_reason`: the stop string, the stop token id, or null (EOS, length); for a
+/// grammar dead end (finish_reason `abort`) what went wrong.
 pub(crate) fn stop_reason_json(r: &Option<StopReason>) -> Value {
     match r {
         None => Value::Null,
         Some(StopReason::Token(t)) => json!(t),
-        Some(StopReason::Text(s)) => json!(s),
+        Some(StopReason::Text(s)) | Some(StopReason::Grammar(s)) => json!(s),
     }
 }
 
@@ -344,6 +345,7 @@ pub(crate) fn submit_all(st: &Arc<AppState>, job: Job) -> Result<(Merged, Vec<us
             min_tokens: job.common.out.min_tokens,
             include_stop_str_in_output: job.common.out.include_stop_str_in_output,
             skip_special_tokens: job.common.out.skip_special_tokens,
+            constraint: job.common.constraint.as_ref().map(|c| c.0.clone()),
         };
         match st.backend.submit(req) {
             Ok(s) => streams.push(Tracked::new(s, st.clone(), label.clone(), job.common.n)),
@@ -352,10 +354,14 @@ pub(crate) fn submit_all(st: &Arc<AppState>, job: Job) -> Result<(Merged, Vec<us
                     crate::backend::SubmitError::QueueFull => "queue_full",
                     crate::backend::SubmitError::UnknownAdapter(_) => "unknown_adapter",
                     crate::backend::SubmitError::TooLong { .. } => "too_long",
-                    crate::backend::SubmitError::Invalid(_) => "invalid",
+                    crate::backend::SubmitError::Invalid(_) | crate::backend::SubmitError::InvalidConstraint(_) => "invalid",
                     crate::backend::SubmitError::ShuttingDown => "shutting_down",
                 });
-                return Err(e.into()); // earlier streams drop here: cancelled
+                // Earlier streams drop here: cancelled. A constraint error names its field.
+                return Err(match (&e, &job.common.constraint) {
+                    (crate::backend::SubmitError::InvalidConstraint(m), Some((_, field))) => ApiError::field(field, format!("`{field}`: invalid constraint: {m}")),
+                    _ => e.into(),
+                });
             }
         }
     }

@@ -56,6 +56,9 @@ impl Backend for Mock {
                 return Err(SubmitError::UnknownAdapter(a.clone()));
             }
         }
+        if req.constraint == Some(quiver_engine::Constraint::Regex("(".into())) {
+            return Err(SubmitError::InvalidConstraint("unbalanced parenthesis".into()));
+        }
         *self.last.lock().unwrap() = Some(req.clone());
         // Base says "b", adapters say their first letter; each token is one char.
         let ch = req.adapter.as_deref().and_then(|a| a.chars().next()).unwrap_or('b');
@@ -423,8 +426,12 @@ async fn chat_continue_final_message_echo_and_model_card() {
     assert_eq!((s.as_u16(), error_of(&v).1), (400, Some("continue_final_message")));
     let (s, v) = post(&e, "/v1/chat/completions", r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#).await;
     assert_eq!((s.as_u16(), error_of(&v).1), (400, Some("tools")));
-    let (s, v) = post(&e, "/v1/chat/completions", r#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}}"#).await;
-    assert_eq!((s.as_u16(), error_of(&v).1), (400, Some("response_format")));
+    let (s, v) = post(&e, "/v1/chat/completions", r#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"},"max_tokens":1}"#).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(e.mock.last.lock().unwrap().as_ref().unwrap().constraint, Some(quiver_engine::Constraint::JsonObject));
+    // The engine refusing a constraint is a 400 naming the field that gave it.
+    let (s, v) = post(&e, "/v1/completions", r#"{"prompt":"x","guided_regex":"("}"#).await;
+    assert_eq!((s.as_u16(), error_of(&v).1), (400, Some("guided_regex")), "{v}");
     let (s, b) = call(&e, "GET", "/v1/models/base", None, None).await;
     assert_eq!(s, 200);
     assert_eq!(serde_json::from_slice::<Value>(&b).unwrap()["id"], "base");

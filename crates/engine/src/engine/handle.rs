@@ -58,6 +58,11 @@ impl EngineHandle {
                 sh.kv_capacity_tokens
             )));
         }
+        // Compiled here, on the caller's thread, so a bad grammar is refused before queuing.
+        let guide = match &req.constraint {
+            None => None,
+            Some(c) => Some(sh.grammars.as_ref().map_err(|e| SubmitError::InvalidConstraint(e.clone()))?.compile(c).map_err(SubmitError::InvalidConstraint)?),
+        };
         // The adapter table lock orders this submit against unloads.
         let table = sh.adapters.lock().unwrap();
         if !sh.accepting.load(Ordering::SeqCst) {
@@ -77,7 +82,7 @@ impl EngineHandle {
         let (etx, erx) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let (n, prompt_tokens) = (req.n, req.prompt.len());
-        if self.inner.tx.send(Msg::Submit(Box::new(NewRequest { id, req, tx: etx, cancel: cancel.clone() }))).is_err() {
+        if self.inner.tx.send(Msg::Submit(Box::new(NewRequest { id, req, tx: etx, cancel: cancel.clone(), guide }))).is_err() {
             sh.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::ShuttingDown);
         }

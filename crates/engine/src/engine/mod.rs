@@ -36,6 +36,7 @@ use crate::api::*;
 use crate::config::{mem_available, EngineConfig, SchedulePolicy};
 use crate::kv::{BlockId, BlockPool, Parent};
 use crate::sampling::{self, Sampler, SamplingParams};
+use crate::structured::{Grammars, Guide};
 use crate::text::{Detok, StopScan};
 use quiver_kernels::KvStorage;
 use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora};
@@ -73,6 +74,8 @@ pub(crate) struct NewRequest {
     req: GenerateRequest,
     tx: UnboundedSender<StreamEvent>,
     cancel: Arc<AtomicBool>,
+    /// The compiled constraint, if any.
+    guide: Option<Guide>,
 }
 
 pub(crate) struct LoadJob {
@@ -100,6 +103,8 @@ struct Shared {
     next_id: AtomicU64,
     adapters: Mutex<HashMap<String, AdapterEntry>>,
     stats: Mutex<EngineStats>,
+    /// Structured output for this vocabulary; `Err` says why it is unavailable.
+    grammars: Result<Grammars, String>,
 }
 
 struct Inner {
@@ -171,6 +176,7 @@ impl Engine {
             next_id: AtomicU64::new(1),
             adapters: Mutex::new(HashMap::new()),
             stats: Mutex::new(EngineStats { kv_blocks_total: num_blocks, kv_blocks_free: num_blocks, block_size: bs, max_loras: cfg.max_loras_per_batch, ..Default::default() }),
+            grammars: Grammars::new(&tokenizer, c.vocab_size).map_err(|e| format!("structured output is unavailable for this tokenizer: {e:#}")),
             cfg: cfg.clone(),
         });
         let (tx, rx) = mpsc::channel::<Msg>();
@@ -269,6 +275,8 @@ struct Seq {
     scheduled: bool,
     /// The stop id or string that ended it (reported in `Finished`).
     stop_reason: Option<StopReason>,
+    /// Position in the request's constraint (each sample has its own).
+    guide: Option<Guide>,
 }
 
 #[derive(Default)]

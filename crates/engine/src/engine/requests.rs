@@ -31,7 +31,7 @@ impl Core {
                 }
             },
         };
-        let NewRequest { id, req, tx, cancel } = nr;
+        let NewRequest { id, req, tx, cancel, guide } = nr;
         let ri = match self.free_reqs.pop() {
             Some(i) => i,
             None => {
@@ -57,6 +57,7 @@ impl Core {
             waiting_since: self.step_no,
             scheduled: false,
             stop_reason: None,
+            guide,
         });
         self.reqs[ri] = Some(Req {
             id,
@@ -230,6 +231,7 @@ impl Core {
             let p = SamplingParams { seed: params.seed.map(|x| x.wrapping_add(index as u64)), ..params.clone() };
             let order = self.next_order;
             self.next_order += 1;
+            let guide = self.seq(si).guide.as_ref().map(|g| g.fork());
             let child = self.new_seq(Seq {
                 req: ri,
                 index,
@@ -246,6 +248,7 @@ impl Core {
                 waiting_since: self.step_no,
                 scheduled: false,
                 stop_reason: None,
+                guide,
             });
             self.insert_running(child);
             self.req_mut(ri).seq_ids.push(child);

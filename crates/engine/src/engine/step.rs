@@ -158,7 +158,7 @@ impl Core {
         let ri = self.seq(si).req;
         let tokenizer = self.tokenizer.clone();
         let (eos_hit, stop_id_hit);
-        let (tok, logprob) = {
+        let (tok, logprob, grammar_done) = {
             let s = self.seqs[si].as_mut().expect("live sequence");
             let r = self.reqs[ri].as_ref().expect("live request");
             s.sampler.apply_penalties(&mut work);
@@ -169,13 +169,30 @@ impl Core {
                     work[t as usize] = f32::NEG_INFINITY;
                 }
             }
+            if let Some(g) = s.guide.as_mut() {
+                if let Err(e) = g.mask(&mut work) {
+                    // Never stall the batch on a grammar that cannot go on: end this row.
+                    s.stop_reason = Some(StopReason::Grammar(format!("grammar dead end: {e}")));
+                    self.work_buf = work;
+                    self.end_seq(si, FinishReason::Abort);
+                    return;
+                }
+            }
             let tok = s.sampler.sample(&work);
             let lp = r.logprobs.map(|k| sampling::token_logprob(&work, tok, k));
+            let grammar_done = match s.guide.as_mut().map(|g| g.advance(tok).map(|()| g.is_finished())) {
+                Some(Err(e)) => {
+                    tracing::warn!("constraint refused its own token {tok}: {e}");
+                    true
+                }
+                Some(Ok(done)) => done,
+                None => false,
+            };
             s.sampler.observe(tok);
             s.tokens.push(tok);
             stop_id_hit = r.stop_ids.contains(&tok);
             eos_hit = stop_id_hit || (!r.ignore_eos && self.eos.contains(&tok));
-            (tok, lp)
+            (tok, lp, grammar_done)
         };
         self.work_buf = work;
         self.counters.generated += 1;
@@ -212,7 +229,8 @@ impl Core {
                     finish = Some(FinishReason::Stop);
                 }
             }
-            if finish.is_none() && completion >= r.max_tokens {
+            // A complete grammar ends the output like a length limit (its text is kept).
+            if finish.is_none() && (completion >= r.max_tokens || grammar_done) {
                 if let Some(t) = s.detok.flush(&tokenizer, &s.tokens) {
                     s.stop_reason = push(&mut s.stop, &t, &mut text);
                     if s.stop_reason.is_some() {
@@ -221,7 +239,7 @@ impl Core {
                 }
                 if finish.is_none() {
                     s.stop.flush(&mut text);
-                    finish = Some(FinishReason::Length);
+                    finish = Some(if completion < r.max_tokens { FinishReason::Stop } else { FinishReason::Length });
                 }
             }
         }
