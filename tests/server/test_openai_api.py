@@ -736,10 +736,70 @@ def accepted_fields_do_what_vllm_does(S):
     check(all(x.usage is not None for x in chunks), "usage missing from a chunk")
     check(S.get(f"/v1/models/{SERVED}").json()["id"] == SERVED and S.get("/v1/models/a").json()["parent"] == SERVED, "model card")
     error_shape(S.get("/v1/models/nope"), 404)
-    for body, field in [({"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"), ({"prompt": PROMPT, "guided_regex": "a+"}, "guided_regex"),
-                        ({"prompt": PROMPT, "response_format": {"type": "json_object"}}, "response_format")]:
+    for body, field in [({"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"), ({"prompt": PROMPT, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+                        ({"prompt": PROMPT, "cache_salt": "x"}, "cache_salt")]:
         error_shape(S.post("/v1/completions", {"model": SERVED, **body}), 400, field)
     error_shape(S.post("/v1/chat/completions", {"model": SERVED, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}), 400, "tools")
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
+     "required": ["color", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+                                              "required": ["name", "population"], "additionalProperties": False},
+                                     "capital": {"type": "boolean"}}, "required": ["city", "capital"], "additionalProperties": False},
+]
+
+
+@test
+def structured_output_holds(S):
+    """Every json_schema response parses and validates (jsonschema) over nested objects,
+    arrays, enums and required fields, on the base model and adapters, streaming and not;
+    regex and choice hold; an unconstrained request batched with them is unchanged; bad
+    constraints are 400s naming their field; a dead end ends only its own request."""
+    import jsonschema
+    import re as re_mod
+    c = S.client()
+    ask = [{"role": "user", "content": "Describe a person, a color and a city as JSON."}]
+    for i, schema in enumerate(SCHEMAS):
+        for model in [SERVED, "a", "c"]:
+            rf = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+            r = c.chat.completions.create(model=model, messages=ask, max_tokens=120, temperature=0, response_format=rf)
+            check(r.choices[0].finish_reason == "stop", (model, i, r.choices[0]))
+            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+            text = "".join(x.choices[0].delta.content or "" for x in c.chat.completions.create(
+                model=model, messages=ask, max_tokens=120, temperature=0.8, seed=i, stream=True, response_format=rf) if x.choices)
+            jsonschema.validate(json.loads(text), schema)
+        r = c.completions.create(model="b", prompt="A JSON record:", max_tokens=120, temperature=0, extra_body={"guided_json": schema})
+        jsonschema.validate(json.loads(r.choices[0].text), schema)
+    r = c.chat.completions.create(model=SERVED, messages=ask, max_tokens=100, temperature=0, response_format={"type": "json_object"})
+    check(isinstance(json.loads(r.choices[0].message.content), dict), r.choices[0].message.content)
+    # Regex and choice, each batched with an unconstrained request that must equal its lone run.
+    plain = greedy(c, "b", n_tok=24, extra_body={"ignore_eos": True})
+
+    async def batch():
+        ac = S.aclient()
+        reqs = [ac.completions.create(model="b", prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})]
+        reqs += [ac.completions.create(model=m, prompt="Phone:", max_tokens=20, temperature=0.9, seed=k, extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"}) for k, m in enumerate([SERVED, "a"])]
+        reqs += [ac.chat.completions.create(model=m, messages=[{"role": "user", "content": "Pick one."}], max_tokens=10, temperature=1.0, seed=k,
+                                            extra_body={"guided_choice": ["left", "right", "straight on"]}) for k, m in enumerate(["c", SERVED])]
+        return await asyncio.gather(*reqs)
+    got = asyncio.run(batch())
+    check(got[0].choices[0].text == plain, "unconstrained row changed by constrained ones")
+    for r in got[1:3]:
+        check(re_mod.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", r.choices[0].text), r.choices[0].text)
+    for r in got[3:]:
+        check(r.choices[0].message.content in ["left", "right", "straight on"], r.choices[0].message.content)
+    # Bad constraints: 400 naming the field.
+    for body, field in [({"guided_regex": "([0-9]"}, "guided_regex"), ({"guided_json": {"type": "no-such-type"}}, "guided_json"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}}}, "response_format"),
+                        ({"guided_grammar": "start: ("}, "guided_grammar"), ({"guided_choice": []}, "guided_choice")]:
+        error_shape(S.post("/v1/completions", {"model": SERVED, "prompt": PROMPT, **body}), 400, field)
+    # A dead end (only a letter may be drawn, the grammar wants a digit) ends its own request.
+    r = S.post("/v1/completions", {"model": SERVED, "prompt": PROMPT, "max_tokens": 5, "guided_regex": "[0-9]+", "allowed_token_ids": [64]}).json()
+    check(r["choices"][0]["finish_reason"] == "abort" and "dead end" in (r["choices"][0]["stop_reason"] or ""), r)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,11 +30,21 @@ pub enum Constraint {
     Lark(String),
 }
 
+/// JSON is written compactly (`", "` and `": "`, no other whitespace) unless the schema's
+/// `x-guidance` says otherwise: vLLM's `disable_any_whitespace`. With free whitespace small
+/// models loop on newlines inside an object until `max_tokens` (seen with SmolLM2-135M).
+fn compact_json(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(m) = schema.as_object_mut() {
+        m.entry("x-guidance").or_insert_with(|| serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
+    }
+    schema
+}
+
 impl Constraint {
     fn grammar(&self) -> TopLevelGrammar {
         match self {
-            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(s.clone()),
-            Constraint::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
+            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact_json(s.clone())),
+            Constraint::JsonObject => TopLevelGrammar::from_json_schema(compact_json(serde_json::json!({"type": "object"}))),
             Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
             Constraint::Choice(c) => {
                 // Lark string literals take JSON's escapes.
@@ -151,14 +161,16 @@ impl Guide {
     /// dead end (an error state, or no token can continue).
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
         let mask = self.matcher.compute_mask_or_eos().map_err(|e| format!("{e:#}"))?;
-        let mut any = false;
-        for (t, l) in logits.iter_mut().enumerate() {
-            if mask.is_allowed(t as u32) {
-                any |= *l > f32::NEG_INFINITY;
-            } else {
-                *l = f32::NEG_INFINITY;
+        let n = logits.len();
+        // Word-wise over the bitset: runs of allowed tokens cost one test per 32.
+        mask.iter_unset_entries(|t| {
+            if t < n {
+                logits[t] = f32::NEG_INFINITY;
             }
-        }
+        });
+        logits[mask.len().min(n)..].fill(f32::NEG_INFINITY);
+        let mut any = false;
+        mask.iter_set_entries(|t| any |= t < n && logits[t] > f32::NEG_INFINITY);
         if any {
             Ok(())
         } else {

@@ -109,9 +109,8 @@ const UNSUPPORTED: &[(&str, &str)] = &[
     ("priority", "0"),
     ("prompt_embeds", "null"),
     ("mm_processor_kwargs", "null"),
-    // Structured output is read in structured.rs; llguidance has no whitespace pattern and
-    // Quiver no structural tags. SGLang's `ebnf` is its own EBNF dialect, not Lark.
-    ("guided_whitespace_pattern", "null"),
+    // Structured output is read in structured.rs; Quiver has no structural tags, and
+    // SGLang's `ebnf` is its own EBNF dialect, not Lark.
     ("structural_tag", "null"),
     ("ebnf", "null"),
     // SGLang's extras.
@@ -172,7 +171,7 @@ mod tests {
     fn unsupported_fields_are_refused_by_name_and_defaults_pass() {
         for (body, field) in [
             (r#"{"use_beam_search":true}"#, "use_beam_search"),
-            (r#"{"guided_whitespace_pattern":" "}"#, "guided_whitespace_pattern"),
+            (r#"{"structural_tag":"{}"}"#, "structural_tag"),
             (r#"{"priority":3}"#, "priority"),
             (r#"{"cache_salt":"x"}"#, "cache_salt"),
         ] {

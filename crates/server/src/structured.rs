@@ -33,6 +33,8 @@ fn choices_of(name: &str, v: &Value) -> Result<Constraint, ApiError> {
 /// Reads at most one constraint from `f` (vLLM refuses two kinds at once, so does this).
 pub fn parse_constraint(f: &Fields) -> Result<Option<Named>, ApiError> {
     let mut found: Vec<Named> = Vec::new();
+    // JSON's whitespace (compact unless asked for): a pattern and the field that gave it.
+    let mut whitespace: Option<(String, String)> = f.str("guided_whitespace_pattern")?.map(|w| (w.to_string(), "guided_whitespace_pattern".to_string()));
     let mut push = |c: Constraint, name: String| found.push((c, name));
     if let Some(rf) = f.object("response_format")? {
         match rf.get("type").and_then(Value::as_str) {
@@ -83,10 +85,14 @@ pub fn parse_constraint(f: &Fields) -> Result<Option<Named>, ApiError> {
         if sf.bool("json_object")?.unwrap_or(false) {
             push(Constraint::JsonObject, "structured_outputs.json_object".into());
         }
-        for k in ["structural_tag", "whitespace_pattern"] {
-            if sf.get(k).is_some() {
-                return Err(ApiError::field(&sf.name(k), format!("`structured_outputs.{k}` is not supported by this server")));
-            }
+        if sf.get("structural_tag").is_some() {
+            return Err(ApiError::field("structured_outputs.structural_tag", "`structured_outputs.structural_tag` is not supported by this server"));
+        }
+        if let Some(w) = sf.str("whitespace_pattern")? {
+            whitespace = Some((w.to_string(), "structured_outputs.whitespace_pattern".to_string()));
+        }
+        if sf.bool("disable_any_whitespace")? == Some(false) {
+            whitespace.get_or_insert((r"[\x20\x0A\x0D\x09]+".to_string(), "structured_outputs.disable_any_whitespace".to_string()));
         }
     }
     // The engine is llguidance; naming it (or leaving the choice to the server) is fine.
@@ -95,10 +101,28 @@ pub fn parse_constraint(f: &Fields) -> Result<Option<Named>, ApiError> {
             return Err(ApiError::field("guided_decoding_backend", format!("`guided_decoding_backend` {b:?} is not available: this server's backend is llguidance")));
         }
     }
-    match found.len() {
-        0 | 1 => Ok(found.pop()),
-        _ => Err(ApiError::field(&found[1].1, format!("only one kind of structured output per request; got `{}` and `{}`", found[0].1, found[1].1))),
+    if found.len() > 1 {
+        return Err(ApiError::field(&found[1].1, format!("only one kind of structured output per request; got `{}` and `{}`", found[0].1, found[1].1)));
     }
+    let mut c = found.pop();
+    if let Some((pattern, field)) = whitespace {
+        let schema = match &mut c {
+            Some((Constraint::JsonSchema(s), _)) => s,
+            Some((c @ Constraint::JsonObject, _)) => {
+                *c = Constraint::JsonSchema(serde_json::json!({"type": "object"}));
+                let Constraint::JsonSchema(s) = c else { unreachable!() };
+                s
+            }
+            _ => return Err(ApiError::field(&field, format!("`{field}` applies to JSON output only"))),
+        };
+        match schema.as_object_mut() {
+            Some(m) => {
+                m.insert("x-guidance".into(), serde_json::json!({"whitespace_pattern": pattern}));
+            }
+            None => return Err(ApiError::field(&field, format!("`{field}` needs an object schema"))),
+        }
+    }
+    Ok(c)
 }
 
 #[cfg(test)]
@@ -127,6 +151,9 @@ mod tests {
             assert_eq!(parse(&body).unwrap().map(|n| n.0), Some(want), "{body}");
         }
         assert_eq!(parse(r#"{"response_format":{"type":"text"}}"#).unwrap(), None);
+        // vLLM's whitespace pattern reaches llguidance through the schema's x-guidance.
+        let got = parse(r#"{"response_format":{"type":"json_object"},"guided_whitespace_pattern":" *"}"#).unwrap().unwrap().0;
+        assert_eq!(got, Constraint::JsonSchema(serde_json::json!({"type": "object", "x-guidance": {"whitespace_pattern": " *"}})));
     }
 
     #[test]
@@ -137,7 +164,7 @@ mod tests {
             (r#"{"guided_json":"{not json"}"#, "guided_json"),
             (r#"{"response_format":{"type":"json_schema"}}"#, "response_format"),
             (r#"{"guided_decoding_backend":"outlines","guided_regex":"a"}"#, "guided_decoding_backend"),
-            (r#"{"structured_outputs":{"whitespace_pattern":" "}}"#, "structured_outputs.whitespace_pattern"),
+            (r#"{"guided_whitespace_pattern":" ","guided_regex":"a"}"#, "guided_whitespace_pattern"),
         ] {
             assert_eq!(parse(body).unwrap_err().param.as_deref(), Some(field), "{body}");
         }
