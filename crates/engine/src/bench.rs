@@ -125,7 +125,9 @@ pub fn bench_engine(model: LoadedModel, mut cfg: EngineConfig, o: &BenchOptions)
     let warm = BenchOptions { streams: o.streams, max_tokens: 4, ..o.clone() };
     run_scenario(&h, "warmup", &warm, &names, Some(2), vocab)?;
     let multi = format!("{} distinct adapters", names.len());
-    let scenarios: [(&str, &[Option<String>], Option<usize>); 4] = [("base", &[None], None), ("1 adapter", &names[..1], None), (&multi, &names, None), ("base, 50% constrained", &[None], Some(2))];
+    // (name, adapters cycled over the streams, every k-th stream constrained)
+    type Scenario<'a> = (&'a str, &'a [Option<String>], Option<usize>);
+    let scenarios: [Scenario; 4] = [("base", &[None], None), ("1 adapter", &names[..1], None), (&multi, &names, None), ("base, 50% constrained", &[None], Some(2))];
     // runs[s][round] = (tokens, seconds)
     let mut runs = vec![Vec::new(); scenarios.len()];
     for _ in 0..o.rounds.max(1) {

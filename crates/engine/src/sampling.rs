@@ -36,7 +36,7 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     pub fn validate(&self) -> Result<(), String> {
-        if !(self.temperature >= 0.0) || !self.temperature.is_finite() {
+        if self.temperature.is_nan() || self.temperature < 0.0 || !self.temperature.is_finite() {
             return Err(format!("temperature must be >= 0, got {}", self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
@@ -45,7 +45,7 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
-        if !(self.repetition_penalty > 0.0) || !self.repetition_penalty.is_finite() {
+        if self.repetition_penalty.is_nan() || self.repetition_penalty <= 0.0 || !self.repetition_penalty.is_finite() {
             return Err(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
         }
         for (n, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
