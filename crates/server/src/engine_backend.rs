@@ -36,7 +36,8 @@ fn conv_event(e: StreamEvent) -> Event {
         StreamEvent::Token { index, token_id, text, logprob } => {
             Event::Token { index, token_id, text, logprob }
         }
-        StreamEvent::Finished { index, reason, prompt_tokens, completion_tokens } => Event::Finished { index, reason, prompt_tokens, completion_tokens },
+        StreamEvent::PromptLogprobs(l) => Event::PromptLogprobs(l),
+        StreamEvent::Finished { index, reason, stop_reason, prompt_tokens, completion_tokens } => Event::Finished { index, reason, stop_reason, prompt_tokens, completion_tokens },
         StreamEvent::Error(s) => Event::Error(s),
     }
 }
@@ -69,9 +70,21 @@ impl Backend for EngineBackend {
     fn has_chat_template(&self) -> bool {
         self.handle.tokenizer().chat_template().is_some()
     }
-    fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, String> {
-        let t = self.handle.tokenizer().chat_template().ok_or("this model has no chat template")?;
-        t.render(messages, add_generation_prompt).map_err(|e| format!("{e:#}"))
+    fn decode(&self, ids: &[u32]) -> String {
+        self.handle.tokenizer().decode(ids, false).unwrap_or_default()
+    }
+    fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool, extra: serde_json::Map<String, serde_json::Value>, template: Option<&str>) -> Result<String, String> {
+        let tok = self.handle.tokenizer();
+        let own;
+        let t = match template {
+            Some(src) => {
+                let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i));
+                own = quiver_model::chat::ChatTemplate::new(src, name(tok.bos_token_id()), name(tok.eos_token_ids().first().copied())).map_err(|e| format!("{e:#}"))?;
+                &own
+            }
+            None => tok.chat_template().ok_or("this model has no chat template")?,
+        };
+        t.render_with(messages, add_generation_prompt, extra).map_err(|e| format!("{e:#}"))
     }
     fn submit(&self, r: GenRequest) -> Result<EventStream, SubmitError> {
         let n = r.n;
@@ -85,6 +98,11 @@ impl Backend for EngineBackend {
             ignore_eos: r.ignore_eos,
             logprobs: r.logprobs,
             n,
+            prompt_logprobs: r.prompt_logprobs,
+            min_tokens: r.min_tokens,
+            include_stop_str_in_output: r.include_stop_str_in_output,
+            skip_special_tokens: r.skip_special_tokens,
+            constraint: r.constraint,
         };
         let rs = self.handle.submit(req).map_err(|e| {
             use quiver_engine::SubmitError as E;
@@ -95,6 +113,7 @@ impl Backend for EngineBackend {
                     SubmitError::TooLong { prompt: prompt_tokens, completion: max_tokens, needed: prompt_tokens + max_tokens, max: max_model_len }
                 }
                 E::Invalid(m) => SubmitError::Invalid(m),
+                E::InvalidConstraint(m) => SubmitError::InvalidConstraint(m),
                 E::ShuttingDown => SubmitError::ShuttingDown,
             }
         })?;

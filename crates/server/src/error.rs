@@ -74,6 +74,7 @@ impl From<SubmitError> for ApiError {
             SubmitError::UnknownAdapter(name) => ApiError::model_not_found(name),
             SubmitError::TooLong { .. } => ApiError::field("max_tokens", e.to_string()),
             SubmitError::Invalid(_) => ApiError::bad_request(e.to_string()),
+            SubmitError::InvalidConstraint(_) => ApiError::bad_request(format!("invalid structured-output constraint: {e}")),
             SubmitError::ShuttingDown => ApiError::unavailable(),
         }
     }

@@ -4,11 +4,17 @@
 
 pub mod adapters;
 pub mod backend;
+mod chat;
+mod completions;
 pub mod engine_backend;
 pub mod error;
+mod logprobs;
 pub mod metrics;
+pub mod options;
 pub mod request;
 pub mod server;
+mod sglang;
+pub mod structured;
 
 #[cfg(test)]
 mod tests;

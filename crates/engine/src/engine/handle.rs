@@ -25,18 +25,26 @@ impl EngineHandle {
         if req.prompt.is_empty() {
             return Err(SubmitError::Invalid("prompt is empty".into()));
         }
-        if req.max_tokens == 0 {
-            return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
+        if req.max_tokens == 0 && (req.prompt_logprobs.is_none() || req.n != 1) {
+            return Err(SubmitError::Invalid("max_tokens must be at least 1 (0 only scores the prompt: with prompt_logprobs and n = 1)".into()));
+        }
+        if req.min_tokens > req.max_tokens {
+            return Err(SubmitError::Invalid(format!("min_tokens ({}) must be at most max_tokens ({})", req.min_tokens, req.max_tokens)));
         }
         if req.n == 0 || req.n > sh.cfg.max_running_requests {
             return Err(SubmitError::Invalid(format!("n must be in 1..={}, got {}", sh.cfg.max_running_requests, req.n)));
         }
-        if let Some(k) = req.logprobs {
-            if k > 20 {
-                return Err(SubmitError::Invalid(format!("top_logprobs must be at most 20, got {k}")));
+        for (name, k) in [("top_logprobs", req.logprobs), ("prompt_logprobs", req.prompt_logprobs)] {
+            if k.is_some_and(|k| k > 20) {
+                return Err(SubmitError::Invalid(format!("{name} must be at most 20, got {}", k.unwrap_or_default())));
             }
         }
         req.sampling.validate().map_err(SubmitError::Invalid)?;
+        for (name, mut ids) in [("logit_bias", Box::new(req.sampling.logit_bias.iter().map(|b| b.0)) as Box<dyn Iterator<Item = u32>>), ("allowed_token_ids", Box::new(req.sampling.allowed_token_ids.iter().copied()))] {
+            if let Some(bad) = ids.find(|&t| t as usize >= sh.vocab) {
+                return Err(SubmitError::Invalid(format!("{name}: token id {bad} is outside the vocabulary ({} tokens)", sh.vocab)));
+            }
+        }
         if let Some(&bad) = req.prompt.iter().chain(&req.stop_token_ids).find(|&&t| t as usize >= sh.vocab) {
             return Err(SubmitError::Invalid(format!("token id {bad} is outside the vocabulary ({} tokens)", sh.vocab)));
         }
@@ -50,6 +58,11 @@ impl EngineHandle {
                 sh.kv_capacity_tokens
             )));
         }
+        // Compiled here, on the caller's thread, so a bad grammar is refused before queuing.
+        let guide = match &req.constraint {
+            None => None,
+            Some(c) => Some(sh.grammars.as_ref().map_err(|e| SubmitError::InvalidConstraint(e.clone()))?.compile(c).map_err(SubmitError::InvalidConstraint)?),
+        };
         // The adapter table lock orders this submit against unloads.
         let table = sh.adapters.lock().unwrap();
         if !sh.accepting.load(Ordering::SeqCst) {
@@ -69,7 +82,7 @@ impl EngineHandle {
         let (etx, erx) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let (n, prompt_tokens) = (req.n, req.prompt.len());
-        if self.inner.tx.send(Msg::Submit(Box::new(NewRequest { id, req, tx: etx, cancel: cancel.clone() }))).is_err() {
+        if self.inner.tx.send(Msg::Submit(Box::new(NewRequest { id, req, tx: etx, cancel: cancel.clone(), guide }))).is_err() {
             sh.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::ShuttingDown);
         }

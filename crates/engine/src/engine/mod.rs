@@ -36,6 +36,7 @@ use crate::api::*;
 use crate::config::{mem_available, EngineConfig, SchedulePolicy};
 use crate::kv::{BlockId, BlockPool, Parent};
 use crate::sampling::{self, Sampler, SamplingParams};
+use crate::structured::{Grammars, Guide};
 use crate::text::{Detok, StopScan};
 use quiver_kernels::KvStorage;
 use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora};
@@ -52,6 +53,7 @@ use tokio::sync::oneshot;
 
 mod adapters;
 mod handle;
+mod prompt_logprobs;
 mod requests;
 mod schedule;
 mod step;
@@ -72,6 +74,8 @@ pub(crate) struct NewRequest {
     req: GenerateRequest,
     tx: UnboundedSender<StreamEvent>,
     cancel: Arc<AtomicBool>,
+    /// The compiled constraint, if any.
+    guide: Option<Guide>,
 }
 
 pub(crate) struct LoadJob {
@@ -99,6 +103,8 @@ struct Shared {
     next_id: AtomicU64,
     adapters: Mutex<HashMap<String, AdapterEntry>>,
     stats: Mutex<EngineStats>,
+    /// Structured output for this vocabulary; `Err` says why it is unavailable.
+    grammars: Result<Grammars, String>,
 }
 
 struct Inner {
@@ -172,6 +178,7 @@ impl Engine {
             next_id: AtomicU64::new(1),
             adapters: Mutex::new(HashMap::new()),
             stats: Mutex::new(EngineStats { kv_blocks_total: num_blocks, kv_blocks_free: num_blocks, block_size: bs, max_loras: cfg.max_loras_per_batch, ..Default::default() }),
+            grammars: Grammars::new(&tokenizer, c.vocab_size).map_err(|e| format!("structured output is unavailable for this tokenizer: {e:#}")),
             cfg: cfg.clone(),
         });
         let (tx, rx) = mpsc::channel::<Msg>();
@@ -233,6 +240,15 @@ struct Req {
     logprobs: Option<usize>,
     n: usize,
     prompt_len: usize,
+    /// Prompt scoring (see `prompt_logprobs.rs`): top-k asked for, the next prompt index to
+    /// score, the logprobs so far, and whether they were sent.
+    prompt_logprobs: Option<usize>,
+    prompt_lp_next: usize,
+    prompt_lps: Vec<TokenLogprob>,
+    prompt_lps_sent: bool,
+    min_tokens: usize,
+    include_stop: bool,
+    skip_special: bool,
     tx: UnboundedSender<StreamEvent>,
     cancel: Arc<AtomicBool>,
     seq_ids: Vec<usize>,
@@ -259,6 +275,10 @@ struct Seq {
     waiting_since: u64,
     /// Index of this step's schedule entry, if scheduled.
     scheduled: bool,
+    /// The stop id or string that ended it (reported in `Finished`).
+    stop_reason: Option<StopReason>,
+    /// Position in the request's constraint (each sample has its own).
+    guide: Option<Guide>,
 }
 
 #[derive(Default)]
@@ -360,7 +380,7 @@ impl Core {
         for (_, reqs) in std::mem::take(&mut self.pending_load) {
             for r in reqs {
                 let _ = r.tx.send(StreamEvent::Error("the engine shut down before the adapter finished loading".into()));
-                let _ = r.tx.send(StreamEvent::Finished { index: 0, reason: FinishReason::Abort, prompt_tokens: r.req.prompt.len(), completion_tokens: 0 });
+                let _ = r.tx.send(StreamEvent::Finished { index: 0, reason: FinishReason::Abort, stop_reason: None, prompt_tokens: r.req.prompt.len(), completion_tokens: 0 });
             }
         }
         self.publish_stats();
