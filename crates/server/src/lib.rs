@@ -6,12 +6,17 @@ pub mod adapters;
 pub mod backend;
 pub mod engine_backend;
 pub mod error;
+pub mod limits;
 pub mod metrics;
 pub mod request;
 pub mod server;
+pub mod shutdown;
+pub mod tokenize;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_hardening;
 
 pub use adapters::{parse_lora_module, parse_lora_path, StartupAdapter};
 pub use backend::Backend;

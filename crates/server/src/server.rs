@@ -22,6 +22,8 @@ use futures::{Stream, StreamExt};
 use serde_json::{json, Map, Value};
 
 use crate::adapters::{on_demand_dir, resolve_adapter_path, PathError};
+use crate::limits::{adapter_name_error, check_adapter_name, shown_path};
+use crate::shutdown::{cut_error, until_cut, StreamCut};
 use crate::backend::{AdapterError, AdapterInfo, Backend, Event, EventStream, FinishReason, GenRequest};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
@@ -66,6 +68,8 @@ pub struct AppState {
     next_id: AtomicU64,
     /// Serialises adapter loads/unloads so check-then-load is atomic for the HTTP layer.
     adapter_lock: tokio::sync::Mutex<()>,
+    /// Fired when the shutdown grace is over: running streams end with an error.
+    pub cut: StreamCut,
 }
 
 impl AppState {
@@ -78,6 +82,7 @@ impl AppState {
             in_flight: AtomicUsize::new(0),
             next_id: AtomicU64::new(0),
             adapter_lock: tokio::sync::Mutex::new(()),
+            cut: StreamCut::default(),
         })
     }
     pub fn served(&self) -> &str {
@@ -130,23 +135,34 @@ pub fn router(st: Arc<AppState>) -> Router {
 async fn guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let path = req.uri().path().to_string();
     let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_string()).unwrap_or_else(|| "other".into());
+    // Refused before the body is read: tell the client this connection ends here, or the
+    // unread body left on it would make its next keep-alive request fail.
+    let has_body = req.headers().get(header::CONTENT_LENGTH).is_some_and(|v| v.as_bytes() != b"0") || req.headers().contains_key(header::TRANSFER_ENCODING);
+    let refuse = |e: ApiError| {
+        st.metrics.http(&route, e.status.as_u16());
+        let mut r = e.into_response();
+        if has_body {
+            r.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+        }
+        r
+    };
     if let Some(key) = &st.cfg.api_key {
         if path != "/health" {
+            // The auth scheme is case-insensitive (RFC 7235).
             let ok = req
                 .headers()
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .is_some_and(|k| constant_time_eq(k.trim().as_bytes(), key.as_bytes()));
+                .and_then(|v| v.trim_start().split_once(' '))
+                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                .is_some_and(|(_, k)| constant_time_eq(k.trim().as_bytes(), key.as_bytes()));
             if !ok {
-                st.metrics.http(&route, 401);
-                return ApiError::new(StatusCode::UNAUTHORIZED, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)").into_response();
+                return refuse(ApiError::new(StatusCode::UNAUTHORIZED, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)"));
             }
         }
     }
     if st.is_shutting_down() && path != "/metrics" {
-        st.metrics.http(&route, 503);
-        return ApiError::unavailable().into_response();
+        return refuse(ApiError::unavailable());
     }
     let resp = next.run(req).await;
     st.metrics.http(&route, resp.status().as_u16());
@@ -171,6 +187,10 @@ async fn resolve_adapter(st: &Arc<AppState>, model: Option<&str>, lora_path: Opt
         ModelRef::Base => return Ok(None),
         ModelRef::Adapter(name) => name,
     };
+    if let Some(why) = adapter_name_error(&name) {
+        let param = if lora_path.is_some_and(|l| l.trim() == name) { "lora_path" } else { "model" };
+        return Err(ApiError::field(param, format!("`{param}` does not name a valid adapter: {why}")));
+    }
     let not_found = || ApiError::model_not_found(if shown.is_empty() || st.cfg.served_model_names.iter().any(|s| s == shown) { &name } else { shown });
     if st.backend.adapters().iter().any(|a| a.name == name) {
         return Ok(Some(name));
@@ -190,7 +210,7 @@ async fn resolve_adapter(st: &Arc<AppState>, model: Option<&str>, lora_path: Opt
     let r = tokio::task::spawn_blocking(move || b.load_adapter(&n2, &dir, false, false, None)).await.map_err(|e| ApiError::internal(e.to_string()))?;
     match r {
         Ok(info) => {
-            tracing::info!(adapter = %info.name, path = %info.path.display(), "loaded on demand");
+            tracing::info!(adapter = %info.name, path = %shown_path(st.cfg.lora_dir.as_deref(), &info.path), "loaded on demand");
             Ok(Some(name))
         }
         Err(AdapterError::AlreadyLoaded(_)) => Ok(Some(name)),
@@ -279,6 +299,14 @@ struct Job {
 fn submit_all(st: &Arc<AppState>, job: Job) -> Result<(Merged, Vec<usize>), ApiError> {
     let max_len = st.backend.max_model_len();
     let label = job.adapter.clone().unwrap_or_default();
+    let max_queued = st.backend.max_queued_requests();
+    if job.prompts.len() > max_queued {
+        // Not a transient overload: this request can never be taken whole.
+        return Err(ApiError::field(
+            "prompt",
+            format!("this request has {} prompts but the server queues at most {max_queued} requests; send at most {max_queued} prompts per request", job.prompts.len()),
+        ));
+    }
     let mut streams = Vec::with_capacity(job.prompts.len());
     let mut prompt_lens = Vec::new();
     for p in job.prompts {
@@ -347,7 +375,14 @@ struct ChoiceAcc {
 async fn collect(st: &AppState, mut s: Merged, n: usize, num_prompts: usize) -> Result<(Vec<ChoiceAcc>, usize), ApiError> {
     let mut ch = vec![ChoiceAcc::default(); n * num_prompts];
     let mut prompt_tokens = vec![0usize; num_prompts];
-    while let Some((p, ev)) = s.next().await {
+    let mut cut = std::pin::pin!(st.cut.fired());
+    loop {
+        let next = tokio::select! {
+            biased;
+            ev = s.next() => ev,
+            _ = &mut cut => return Err(cut_error()),
+        };
+        let Some((p, ev)) = next else { break };
         match ev {
             Event::Token { index, token_id, text, logprob } => {
                 let c = &mut ch[p * n + index.min(n - 1)];
@@ -416,13 +451,9 @@ fn chat_logprobs(st: &AppState, lps: &[TokLp], top_n: usize) -> Value {
     json!({"content": content})
 }
 
-fn sse_response(s: impl Stream<Item = Value> + Send + 'static) -> Response {
-    let events = s.map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))).chain(futures::stream::once(async { Ok(SseEvent::default().data("[DONE]")) }));
+fn sse_response(st: &AppState, s: impl Stream<Item = Value> + Send + 'static) -> Response {
+    let events = until_cut(s, &st.cut).map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))).chain(futures::stream::once(async { Ok(SseEvent::default().data("[DONE]")) }));
     Sse::new(events).keep_alive(KeepAlive::default()).into_response()
-}
-
-fn encode(st: &AppState, text: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
-    st.backend.encode(text, add_special).map_err(|e| ApiError::bad_request(format!("tokenization failed: {e}")))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -438,7 +469,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesR
     for p in &r.prompts {
         match p {
             Prompt::Text(t) => {
-                prompts.push(encode(&st, t, true)?);
+                prompts.push(crate::tokenize::encode(&st, "prompt", t, true).await?);
                 prompt_texts.push(t.clone());
             }
             Prompt::Ids(ids) => {
@@ -502,7 +533,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesR
             futures::future::ready(out)
         })
         .boxed();
-    Ok(sse_response(with_usage_tail(body, include_usage, completion, id, "text_completion", created, model_name, prompt_total)))
+    Ok(sse_response(&st, with_usage_tail(body, include_usage, completion, id, "text_completion", created, model_name, prompt_total)))
 }
 
 /// Appends the `stream_options.include_usage` chunk; `completion` is summed from the finish
@@ -534,8 +565,7 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, B
     if !st.backend.has_chat_template() {
         return Err(ApiError::bad_request("This model has no chat template; use /v1/completions"));
     }
-    let text = st.backend.render_chat(&r.messages, r.add_generation_prompt).map_err(|e| ApiError::field("messages", format!("chat template: {e}")))?;
-    let prompt = encode(&st, &text, false)?;
+    let prompt = crate::tokenize::encode_chat(&st, &r.messages, r.add_generation_prompt).await?;
     let (n, stream, include_usage, want_lp, top_n) = (r.common.n, r.common.stream, r.common.include_usage, r.logprobs, r.top_logprobs);
     let job = Job { adapter, prompts: vec![prompt], common: r.common, logprobs: want_lp.then_some(top_n), default_max_tokens: None };
     let (merged, prompt_lens) = submit_all(&st, job)?;
@@ -585,13 +615,13 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, B
         futures::future::ready(out)
     });
     let body = roles.chain(events).boxed();
-    Ok(sse_response(with_usage_tail(body, include_usage, completion, id, "chat.completion.chunk", created, model_name, prompt_lens.iter().sum())))
+    Ok(sse_response(&st, with_usage_tail(body, include_usage, completion, id, "chat.completion.chunk", created, model_name, prompt_lens.iter().sum())))
 }
 
 fn adapter_card(st: &AppState, a: &AdapterInfo) -> Value {
     json!({
         "id": a.name, "object": "model", "created": now_secs(), "owned_by": "quiver",
-        "root": a.path.display().to_string(), "parent": st.served(), "max_model_len": st.backend.max_model_len(),
+        "root": shown_path(st.cfg.lora_dir.as_deref(), &a.path), "parent": st.served(), "max_model_len": st.backend.max_model_len(),
         "version": a.version, "pinned": a.pinned, "rank": a.rank, "permission": []
     })
 }
@@ -606,7 +636,8 @@ async fn list_models(State(st): State<Arc<AppState>>) -> Json<Value> {
 }
 
 async fn list_adapters(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(Value::Array(st.backend.adapters().iter().map(|a| json!({"name": a.name, "path": a.path.display().to_string(), "version": a.version, "pinned": a.pinned, "rank": a.rank})).collect()))
+    let dir = st.cfg.lora_dir.as_deref();
+    Json(Value::Array(st.backend.adapters().iter().map(|a| json!({"name": a.name, "path": shown_path(dir, &a.path), "version": a.version, "pinned": a.pinned, "rank": a.rank})).collect()))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -636,8 +667,9 @@ async fn do_load(st: &Arc<AppState>, r: LoadReq) -> Result<AdapterInfo, ApiError
     if !st.cfg.lora_enabled {
         return Err(ApiError::bad_request("LoRA is not enabled; start the server with --enable-lora (or --lora-dir / --lora-modules / --lora-paths)"));
     }
-    if r.name.is_empty() || r.name.contains(':') || st.cfg.served_model_names.contains(&r.name) {
-        return Err(ApiError::field("lora_name", format!("`lora_name` {:?} is not allowed: it must be non-empty, contain no ':' and differ from the base model's name", r.name)));
+    check_adapter_name("lora_name", &r.name)?;
+    if st.cfg.served_model_names.contains(&r.name) {
+        return Err(ApiError::field("lora_name", format!("`lora_name` {:?} is not allowed: it must differ from the base model's name", r.name)));
     }
     let path = resolve_adapter_path(st.cfg.lora_dir.as_deref(), &r.path).map_err(|e| match e {
         PathError::Outside(m) => ApiError::field("lora_path", m),
@@ -656,6 +688,7 @@ async fn do_unload(st: &Arc<AppState>, body: &[u8]) -> Result<String, ApiError> 
     let m = request::parse_object(body)?;
     let f = request::Fields::new(&m);
     let name = f.required_str("lora_name")?.trim().to_string();
+    check_adapter_name("lora_name", &name)?;
     let _g = st.adapter_lock.lock().await;
     if !st.backend.adapters().iter().any(|a| a.name == name) {
         return Err(ApiError { status: StatusCode::NOT_FOUND, message: format!("The lora adapter '{name}' cannot be found."), param: Some("lora_name".into()) });
@@ -663,6 +696,7 @@ async fn do_unload(st: &Arc<AppState>, body: &[u8]) -> Result<String, ApiError> 
     let b = st.backend.clone();
     let n2 = name.clone();
     tokio::task::spawn_blocking(move || b.unload_adapter(&n2)).await.map_err(|e| ApiError::internal(e.to_string()))??;
+    st.metrics.forget_adapter(&name);
     Ok(name)
 }
 
@@ -680,7 +714,7 @@ async fn v1_unload(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRej
 }
 
 fn sgl_reply(st: &AppState, r: Result<(), ApiError>) -> Response {
-    let loaded: Map<String, Value> = st.backend.adapters().iter().map(|a| (a.name.clone(), Value::from(a.path.display().to_string()))).collect();
+    let loaded: Map<String, Value> = st.backend.adapters().iter().map(|a| (a.name.clone(), Value::from(shown_path(st.cfg.lora_dir.as_deref(), &a.path)))).collect();
     match r {
         Ok(()) => Json(json!({"success": true, "error_message": "", "loaded_adapters": loaded})).into_response(),
         Err(e) => {
@@ -725,7 +759,7 @@ async fn generate(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesReje
     let mut prompts = Vec::new();
     for p in &r.prompts {
         prompts.push(match p {
-            Prompt::Text(t) => encode(&st, t, true)?,
+            Prompt::Text(t) => crate::tokenize::encode(&st, "text", t, true).await?,
             Prompt::Ids(ids) => ids.clone(),
         });
     }
@@ -784,7 +818,7 @@ async fn generate(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesReje
             futures::future::ready(out)
         })
         .boxed();
-    Ok(sse_response(body))
+    Ok(sse_response(&st, body))
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
@@ -806,6 +840,9 @@ async fn model_info(State(st): State<Arc<AppState>>) -> Json<Value> {
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let stats = st.backend.stats();
+    // Series of adapters unloaded since (and recreated by their last streams) go.
+    let loaded: Vec<String> = st.backend.adapters().into_iter().map(|a| a.name).collect();
+    st.metrics.retain_adapters(|n| loaded.iter().any(|l| l == n));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render(st.served(), &stats)).into_response()
 }
 
@@ -857,6 +894,13 @@ pub async fn serve_with_shutdown(st: Arc<AppState>, listener: tokio::net::TcpLis
         }
         if st2.in_flight() > 0 {
             tracing::warn!(in_flight = st2.in_flight(), "grace period over; cancelling the remaining requests");
+            // Each stream ends with an error event and `[DONE]` (a response with an error);
+            // give them a moment to be written before connections close.
+            st2.cut.fire();
+            let t1 = Instant::now();
+            while st2.in_flight() > 0 && t1.elapsed() < Duration::from_secs(1) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
         }
         let _ = tx.send(true);
     });
