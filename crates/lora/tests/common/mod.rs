@@ -111,7 +111,7 @@ pub fn write_sparse_weights(path: &Path, tensors: &[(String, &str, Vec<usize>)])
         off += len;
     }
     let mut h = serde_json::to_string(&header).unwrap().into_bytes();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
