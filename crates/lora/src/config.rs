@@ -298,7 +298,9 @@ impl AdapterConfig {
         };
         let layers_pattern = pattern_names
             .iter()
-            .map(|p| Regex::new(&format!(r"^.*\.{p}\.(\d+)\.")).map_err(|_| cfg_err(adapter, "layers_pattern", "is not a valid regex")))
+            // Grouped, so an alternation in the pattern cannot swallow the index group (PEFT's
+            // unguarded `.*\.{p}\.(\d+)\.` then has no group 1; a fuzzer found the panic).
+            .map(|p| Regex::new(&format!(r"^.*\.(?:{p})\.(\d+)\.")).map_err(|_| cfg_err(adapter, "layers_pattern", "is not a valid regex")))
             .collect::<Result<Vec<_>>>()?;
 
         Ok(AdapterConfig {
@@ -319,9 +321,9 @@ impl AdapterConfig {
     fn layer_index(&self, path: &str) -> Option<usize> {
         if self.layers_pattern.is_empty() {
             let re = Regex::new(r"^.*\.[^.]*\.(\d+)\.").expect("static regex");
-            return re.captures(path).and_then(|c| c[1].parse().ok());
+            return re.captures(path).and_then(|c| c.get(1)?.as_str().parse().ok());
         }
-        self.layers_pattern.iter().find_map(|re| re.captures(path).and_then(|c| c[1].parse().ok()))
+        self.layers_pattern.iter().find_map(|re| re.captures(path).and_then(|c| c.get(1)?.as_str().parse().ok()))
     }
 
     /// Whether PEFT would wrap the module at `path` with LoRA.

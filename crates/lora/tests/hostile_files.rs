@@ -194,3 +194,16 @@ fn loads_stop_at_the_deadline_or_when_cancelled() {
     assert!(e.contains("cancelled"), "{e}");
     LoraAdapter::load_with("d", &dir, &DIMS, &ReadLimits { deadline: Some(Instant::now() + Duration::from_secs(60)), ..Default::default() }).unwrap();
 }
+
+/// Found by the `adapter_config` fuzz target: a `layers_pattern` with an alternation made the
+/// layer-index group optional, and reading it panicked (on the engine's loader thread, which
+/// then served no more loads). It is now a pattern that matches no layer.
+#[test]
+fn layers_pattern_with_an_alternation_does_not_panic() {
+    let c = quiver_lora::AdapterConfig::parse("ad", r#"{"target_modules": ["q_proj"], "layers_to_transform": [1], "layers_pattern": "layer|"}"#).unwrap();
+    for l in 0..3 {
+        let _ = c.targets(l, LoraModule::QProj);
+    }
+    let c = quiver_lora::AdapterConfig::parse("ad", r#"{"target_modules": ["q_proj"], "layers_to_transform": [1], "layers_pattern": "layers|h"}"#).unwrap();
+    assert!(c.targets(1, LoraModule::QProj) && !c.targets(0, LoraModule::QProj));
+}

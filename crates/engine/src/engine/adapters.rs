@@ -65,9 +65,13 @@ impl Loader {
 
 pub(super) fn loader_loop(rx: Receiver<LoaderJob>, engine: Sender<Msg>, loader: Loader) {
     while let Ok(job) = rx.recv() {
+        // A bug in reading one hostile file must fail that load, not end every later one.
+        let guarded = |f: &dyn Fn() -> Result<LoraAdapter, LoraError>| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| Err(LoraError::Invalid("internal error while reading the adapter (see the server log)".into())))
+        };
         let msg = match job {
             LoaderJob::Load(job) => {
-                let result = loader.read(&job.name, &job.path);
+                let result = guarded(&|| loader.read(&job.name, &job.path));
                 Msg::AdapterLoaded { job, result }
             }
             LoaderJob::Reload { key, name, path, stamp } => {
@@ -80,7 +84,7 @@ pub(super) fn loader_loop(rx: Receiver<LoaderJob>, engine: Sender<Msg>, loader: 
                     })
                 } else {
                     tracing::info!(adapter = %name, version = key.version, "reloading LoRA adapter evicted from host memory");
-                    loader.read(&name, &path)
+                    guarded(&|| loader.read(&name, &path))
                 };
                 Msg::AdapterReloaded { key, result }
             }
