@@ -583,17 +583,23 @@ def soak(quiver, model_args, total=2000):
         for m in STABLE:
             delta = a.get(m, 0) - b.get(m, 0)
             check(delta == stats["ok"][m], f"{m}: server counted {delta} finished requests, client had {stats['ok'][m]} accepted")
-        # Loads of the 78 MB adapter must not stall unaffected streams.
-        base_gap, base_med = max_gap(S, 150)
+        # Loads of the 78 MB adapter must not stall unaffected streams. The machine is shared,
+        # so rounds without and with loads alternate and the medians of their longest gaps are
+        # compared: noise hits both alike, a stall on the engine thread hits every load round.
+        loaded = [False]
 
         def loads():
-            for i in range(4):
-                r = S.post("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": "big", "load_inplace": i > 0})
+            for _ in range(2):
+                r = S.post("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": "big", "load_inplace": loaded[0]})
                 check(r.status_code == 200, r.text)
+                loaded[0] = True
 
-        load_gap, load_med = max_gap(S, 150, loads)
+        rounds = [(max_gap(S, 100), max_gap(S, 100, loads)) for _ in range(3)]
+        base_gap = sorted(r[0][0] for r in rounds)[1]
+        load_gap = sorted(r[1][0] for r in rounds)[1]
+        base_med, load_med = rounds[1][0][1], rounds[1][1][1]
         limit = max(0.1, 1.5 * base_gap)
-        check(load_gap < limit, f"longest inter-token gap {load_gap:.3f} s during 78 MB loads (baseline {base_gap:.3f} s, limit {limit:.3f} s)")
+        check(load_gap < limit, f"longest inter-token gap {load_gap:.3f} s during 78 MB loads (baseline {base_gap:.3f} s, limit {limit:.3f} s; rounds {rounds})")
 
         back_to_baseline(S)
 
@@ -607,8 +613,8 @@ def soak(quiver, model_args, total=2000):
         check(len(log) > 20, f"only {len(log)} churn operations")
         print(f"  soak: {total} requests in {took:.0f} s ({stats['probes']} probes, {stats['disconnects']} disconnects, "
               f"{len(log)} load/replace/unload ops, {stats['churn_refused']} refused on churned names); "
-              f"inter-token gap max {base_gap * 1000:.0f} ms (median {base_med * 1000:.0f}) without loads, "
-              f"{load_gap * 1000:.0f} ms (median {load_med * 1000:.0f}) during 78 MB loads", flush=True)
+              f"longest inter-token gap (median of 3 rounds) {base_gap * 1000:.0f} ms without loads (median gap {base_med * 1000:.0f}), "
+              f"{load_gap * 1000:.0f} ms during 78 MB loads (median gap {load_med * 1000:.0f})", flush=True)
     finally:
         S.kill()
         shutil.rmtree(d, ignore_errors=True)

@@ -64,6 +64,12 @@ impl Loader {
 }
 
 pub(super) fn loader_loop(rx: Receiver<LoaderJob>, engine: Sender<Msg>, loader: Loader) {
+    // Reading and converting an adapter is CPU work competing with the engine's step threads;
+    // on Linux a thread has its own nice value, so the loader yields to them.
+    #[cfg(target_os = "linux")]
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, 0, 10);
+    }
     while let Ok(job) = rx.recv() {
         // A bug in reading one hostile file must fail that load, not end every later one.
         let guarded = |f: &dyn Fn() -> Result<LoraAdapter, LoraError>| {
