@@ -34,6 +34,7 @@ step adapters python3 scripts/gpu_models.py adapters "$DATA" $only
 [ "$parity" = 1 ] && step peft-refs python3 scripts/gpu_models.py peft-refs "$DATA"
 step ceilings python3 scripts/gpu_models.py ceilings "$DATA"
 step kernel-tests .gpu/bin/cuda_kernels --ignored --test-threads 1 --nocapture
+step sample-tests .gpu/bin/cuda_sample --ignored --test-threads 1 --nocapture
 step lora-tests .gpu/bin/cuda_lora --ignored --test-threads 1 --nocapture
 [ "$parity" = 1 ] && step parity-tests .gpu/bin/cuda_parity --ignored --test-threads 1 --nocapture
 # LoRA on the GPU: the kernels of a whole 8B-shaped step (recorded and replayed) against the

@@ -5,6 +5,7 @@
 use crate::model_path;
 use anyhow::Result;
 use clap::Args;
+use quiver_kernels::sample::{SampleOut, SampleSpec};
 use quiver_kernels::{open_device, DType, DeviceKind};
 use quiver_lora::NoLora;
 use quiver_model::{load_model, ForwardBatch, LlamaModel, LogitsFor};
@@ -70,13 +71,18 @@ fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize) -> f64 {
         b.push_seq(&prompt, 0, t, LogitsFor::Last);
     }
     m.forward(&b, &mut kv, &mut ws, &NoLora);
+    // Each step ends as a served one does: a greedy draw per row on the device, only the
+    // tokens coming back.
+    let specs: Vec<SampleSpec> = (0..n as u32).map(|row| SampleSpec { row, logprobs: -1, ..Default::default() }).collect();
+    let mut outs = vec![SampleOut::default(); n];
     let start = Instant::now();
     for step in 0..steps {
         b.clear(per);
         for t in &tables {
             b.push_seq(&[(step % 300 + 40) as u32], 32 + step, t, LogitsFor::Last);
         }
-        m.forward(&b, &mut kv, &mut ws, &NoLora);
+        m.forward_on_device(&b, &mut kv, &mut ws, &NoLora);
+        m.sample(&ws, &specs, &mut outs);
     }
     (n * steps) as f64 / start.elapsed().as_secs_f64()
 }

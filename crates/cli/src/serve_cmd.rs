@@ -146,7 +146,8 @@ pub fn startup_adapters(a: &ServeArgs) -> Result<Vec<StartupAdapter>> {
 }
 
 pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
-    let mut c = quiver_engine::EngineConfig::default();
+    let gpu = a.device != DeviceKind::Cpu;
+    let mut c = if gpu { quiver_engine::EngineConfig::for_gpu() } else { quiver_engine::EngineConfig::default() };
     if let Some(v) = same(a.max_loras, a.max_loras_per_batch, "max-loras", "max-loras-per-batch")? {
         c.max_loras_per_batch = v;
     }
@@ -189,6 +190,18 @@ pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
     c.max_model_len = a.max_model_len;
     c.lora_dir = a.lora_dir.clone();
     c.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    if gpu {
+        let set = |v: bool| if v { "set" } else { "GPU default" };
+        tracing::info!(
+            "batch limits: --max-running-requests {} ({}), --max-num-batched-tokens {} ({}), --chunked-prefill-size {} ({})",
+            c.max_running_requests,
+            set(a.max_running_requests.is_some()),
+            c.max_num_batched_tokens,
+            set(a.max_num_batched_tokens.is_some()),
+            c.chunked_prefill_size,
+            set(a.chunked_prefill_size.is_some())
+        );
+    }
     Ok(c)
 }
 

@@ -3,8 +3,7 @@
 //! Each request owns its RNG (seeded from its own seed), so its samples do not depend on what
 //! else is in the batch.
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use quiver_kernels::sample::SampleSpec;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -63,10 +62,14 @@ impl SamplingParams {
     }
 }
 
-/// Sampling state of one sequence: its RNG, token counts for penalties and scratch space.
+/// Sampling state of one sequence: its random stream (seed and draw counter), token counts for
+/// penalties and scratch space. Draws follow `quiver_kernels::sample`'s semantics, the same on
+/// the host and on every device.
 pub struct Sampler {
     params: SamplingParams,
-    rng: StdRng,
+    seed: u64,
+    /// Draws made so far: the position in the counter-based random stream.
+    counter: u64,
     /// Count of each token generated so far (presence/frequency penalties).
     out_counts: std::collections::HashMap<u32, u32>,
     /// Tokens seen in prompt or output (repetition penalty).
@@ -78,11 +81,39 @@ impl Sampler {
     pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
         let seed = params.seed.unwrap_or_else(rand::random);
         let seen = if params.repetition_penalty != 1.0 { prompt.iter().copied().collect() } else { Default::default() };
-        Sampler { params, rng: StdRng::seed_from_u64(seed), out_counts: Default::default(), seen, scratch: Vec::new() }
+        Sampler { params, seed, counter: 0, out_counts: Default::default(), seen, scratch: Vec::new() }
     }
 
     pub fn params(&self) -> &SamplingParams {
         &self.params
+    }
+
+    /// Whether the logits must be changed on the host before a draw (bias, allowed ids,
+    /// penalties).
+    pub fn needs_host(&self) -> bool {
+        let p = &self.params;
+        !p.logit_bias.is_empty() || !p.allowed_token_ids.is_empty() || p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
+    }
+
+    /// The next draw as a device op: from logits row `row`, with `logprobs` alternatives
+    /// (negative: none). Call [`Self::advance`] once it is drawn.
+    pub fn spec(&self, row: u32, logprobs: i32) -> SampleSpec {
+        let p = &self.params;
+        SampleSpec {
+            row,
+            top_k: p.top_k.max(0) as u32,
+            inv_temperature: if p.is_greedy() { 0.0 } else { 1.0 / p.temperature },
+            top_p: p.top_p,
+            min_p: p.min_p,
+            logprobs,
+            seed: self.seed,
+            counter: self.counter,
+        }
+    }
+
+    /// A draw was made elsewhere (on the device) from [`Self::spec`].
+    pub fn advance(&mut self) {
+        self.counter += 1;
     }
 
     /// Records a generated token for the penalties.
@@ -120,65 +151,17 @@ impl Sampler {
         }
     }
 
-    /// Picks the next token from (penalised) logits.
+    /// Picks the next token from (penalised) logits on the host.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = &self.params;
-        if p.is_greedy() {
-            return argmax(logits);
-        }
-        let inv_t = 1.0 / p.temperature;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        self.scratch.clear();
-        self.scratch.extend(logits.iter().enumerate().map(|(i, &l)| (((l - max) * inv_t).exp(), i as u32)));
-        let cand = &mut self.scratch;
-        // Sort descending by probability (ties by token id for determinism).
-        let k = if p.top_k > 0 { (p.top_k as usize).min(cand.len()) } else { cand.len() };
-        if k < cand.len() {
-            cand.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-            cand.truncate(k);
-        }
-        cand.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let total: f32 = cand.iter().map(|c| c.0).sum();
-        if p.min_p > 0.0 {
-            let thresh = cand[0].0 * p.min_p;
-            let keep = cand.iter().take_while(|c| c.0 >= thresh).count().max(1);
-            cand.truncate(keep);
-        }
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = cand.len();
-            for (i, c) in cand.iter().enumerate() {
-                acc += c.0 / total;
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            cand.truncate(keep);
-        }
-        let sum: f32 = cand.iter().map(|c| c.0).sum();
-        let mut r = self.rng.random::<f32>() * sum;
-        for c in cand.iter() {
-            r -= c.0;
-            if r <= 0.0 {
-                return c.1;
-            }
-        }
-        cand.last().map(|c| c.1).unwrap_or(0)
+        let spec = self.spec(0, -1);
+        self.counter += 1;
+        quiver_kernels::sample::draw(logits, &spec, &mut self.scratch)
     }
 }
 
 /// Index of the largest logit; the lowest index wins ties (matches torch.argmax).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    let mut bv = f32::NEG_INFINITY;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > bv {
-            bv = v;
-            best = i;
-        }
-    }
-    best as u32
+    quiver_kernels::sample::argmax(logits)
 }
 
 /// The chosen token's logprob, its 1-based rank and the top `n` alternatives.

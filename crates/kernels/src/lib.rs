@@ -9,10 +9,12 @@
 //! (PyTorch order) so `y = x · Wᵀ`. Computation accumulates in f32 whatever the weight dtype.
 
 pub mod aligned;
+pub mod alloc_count;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod lora;
+pub mod sample;
 
 use std::fmt;
 use std::sync::Arc;
@@ -259,6 +261,21 @@ pub trait Device: Send + Sync {
     fn alloc(&self, len: usize) -> Tensor;
     /// Copy the first `len` floats to host memory.
     fn to_host(&self, t: &Tensor, len: usize, out: &mut [f32]);
+    /// Draws one token per spec from `logits` (`[rows, vocab]` as the forward left them; see
+    /// [`sample`] for the semantics every device shares), with its logprobs when asked. Only the
+    /// results cross to the host. This default copies the rows to the host and draws there.
+    fn sample(&self, logits: &Tensor, vocab: usize, specs: &[sample::SampleSpec], out: &mut [sample::SampleOut]) {
+        thread_local! {
+            static HOST: std::cell::RefCell<(Vec<f32>, Vec<(f32, u32)>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+        }
+        let rows = specs.iter().map(|s| s.row as usize + 1).max().unwrap_or(0);
+        HOST.with(|h| {
+            let (l, scratch) = &mut *h.borrow_mut();
+            l.resize(rows * vocab, 0.0);
+            self.to_host(logits, rows * vocab, l);
+            sample::sample_rows_host(l, vocab, specs, out, scratch);
+        });
+    }
     /// Copy host data into the start of `t`.
     fn upload(&self, data: &[f32], t: &mut Tensor);
     /// A new tensor holding `data` (norm weights, biases, rope tables: small vectors the ops read).

@@ -4,37 +4,13 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
 use common::*;
+use quiver_kernels::alloc_count::{count_allocations, CountingAlloc};
 use quiver_kernels::{DeviceKind, Tensor};
 use quiver_lora::{LinearSite, LoraConfig, LoraHook, LoraManager, LoraModule};
 
-struct Counting;
-static COUNT: AtomicUsize = AtomicUsize::new(0);
-static ON: AtomicBool = AtomicBool::new(false);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        if ON.load(Ordering::Relaxed) {
-            COUNT.fetch_add(1, Ordering::Relaxed);
-        }
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        if ON.load(Ordering::Relaxed) {
-            COUNT.fetch_add(1, Ordering::Relaxed);
-        }
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
-static A: Counting = Counting;
+static A: CountingAlloc = CountingAlloc;
 
 #[test]
 fn steady_state_steps_do_not_allocate() {
@@ -66,32 +42,29 @@ fn steady_state_steps_do_not_allocate() {
         };
         // Serial path (one worker thread, as on a 1-core machine): not a single allocation.
         let serial = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        serial.install(|| {
+        let serial_allocs = serial.install(|| {
             for _ in 0..3 {
                 step(&mut m, &prefill);
                 step(&mut m, &decode);
             }
-            COUNT.store(0, Ordering::SeqCst);
-            ON.store(true, Ordering::SeqCst);
-            for _ in 0..10 {
-                step(&mut m, &prefill);
-                step(&mut m, &decode);
-            }
-            ON.store(false, Ordering::SeqCst);
+            count_allocations(|| {
+                for _ in 0..10 {
+                    step(&mut m, &prefill);
+                    step(&mut m, &decode);
+                }
+            })
         });
-        assert_eq!(COUNT.load(Ordering::SeqCst), 0, "backend {backend} allocated in steady state");
+        assert_eq!(serial_allocs, 0, "backend {backend} allocated in steady state");
         // Rayon path: our code allocates nothing, but rayon's global injector queue allocates
         // one block per 63 injected jobs (crossbeam-deque), so allow that amortized trickle.
         for _ in 0..3 {
             step(&mut m, &big);
         }
-        COUNT.store(0, Ordering::SeqCst);
-        ON.store(true, Ordering::SeqCst);
-        for _ in 0..10 {
-            step(&mut m, &big);
-        }
-        ON.store(false, Ordering::SeqCst);
-        let n = COUNT.load(Ordering::SeqCst);
+        let n = count_allocations(|| {
+            for _ in 0..10 {
+                step(&mut m, &big);
+            }
+        });
         eprintln!("{backend}: {n} allocations in 10 parallel-sized steps");
         assert!(n <= 5, "backend {backend}: {n} allocations in 10 parallel-sized steps");
     }

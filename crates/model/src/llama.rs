@@ -135,6 +135,28 @@ impl LlamaModel {
     /// Runs one batched step. Returns the logits of `batch.logits_rows`, `[rows, vocab]`, in
     /// `ws.host_logits`.
     pub fn forward<'w>(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &'w mut Workspace, lora: &dyn LoraHook) -> &'w [f32] {
+        self.forward_on_device(batch, kv, ws, lora);
+        self.logits_to_host(ws, batch.logits_rows.len())
+    }
+
+    /// The first `rows` rows of the last step's logits, copied into `ws.host_logits`.
+    pub fn logits_to_host<'w>(&self, ws: &'w mut Workspace, rows: usize) -> &'w [f32] {
+        let n = rows * self.config.vocab_size;
+        if n == 0 {
+            return &ws.host_logits[..0];
+        }
+        self.device.to_host(&ws.logits, n, &mut ws.host_logits[..n]);
+        &ws.host_logits[..n]
+    }
+
+    /// Draws the tokens `specs` ask for from the last step's logits, on the model's device.
+    pub fn sample(&self, ws: &Workspace, specs: &[quiver_kernels::sample::SampleSpec], out: &mut [quiver_kernels::sample::SampleOut]) {
+        self.device.sample(&ws.logits, self.config.vocab_size, specs, out);
+    }
+
+    /// Runs one batched step, leaving the logits of `batch.logits_rows` on the device in
+    /// `ws.logits` (`[rows, vocab]`): for sampling there, or [`Self::logits_to_host`].
+    pub fn forward_on_device(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &mut Workspace, lora: &dyn LoraHook) {
         let c = &self.config;
         let d = &*self.device;
         let m = batch.tokens.len();
@@ -206,11 +228,5 @@ impl LlamaModel {
                 lora.lm_head(d, &ws.last_n, &batch.logits_rows, &mut ws.logits);
             }
         });
-        if nl == 0 {
-            return &ws.host_logits[..0];
-        }
-        let n = nl * c.vocab_size;
-        d.to_host(&ws.logits, n, &mut ws.host_logits[..n]);
-        &ws.host_logits[..n]
     }
 }

@@ -38,6 +38,7 @@ use crate::kv::{BlockId, BlockPool, Parent};
 use crate::sampling::{self, Sampler, SamplingParams};
 use crate::structured::{Grammars, Guide};
 use crate::text::{Detok, StopScan};
+use quiver_kernels::sample::{SampleOut, SampleSpec, TOP_LOGPROBS_MAX};
 use quiver_kernels::KvStorage;
 use quiver_lora::adapter::FileStamp;
 use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora, ReadLimits};
@@ -53,6 +54,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::oneshot;
 
 mod adapters;
+mod profile;
 mod handle;
 mod prompt_logprobs;
 mod requests;
@@ -60,6 +62,9 @@ mod schedule;
 mod step;
 
 use adapters::{loader_loop, Loader, LoaderJob};
+
+/// A draw made on the host (see `Core::draws_on_device`).
+const HOST_DRAW: u32 = u32::MAX;
 
 pub(crate) enum Msg {
     Submit(Box<NewRequest>),
@@ -230,6 +235,10 @@ impl Engine {
             match_buf: Vec::new(),
             logits_buf: Vec::new(),
             work_buf: Vec::new(),
+            to_sample: Vec::new(),
+            specs: Vec::new(),
+            sampled: Vec::new(),
+            profile: profile::StepProfile::from_env(),
             cand_buf: Vec::new(),
             counters: Counters::default(),
         };
@@ -343,6 +352,13 @@ struct Core {
     match_buf: Vec<BlockId>,
     logits_buf: Vec<f32>,
     work_buf: Vec<f32>,
+    /// This step's draws: (sequence, logits row, index into `specs` or `HOST_DRAW`).
+    to_sample: Vec<(usize, usize, u32)>,
+    /// The draws made on the model's device, and their results.
+    specs: Vec<SampleSpec>,
+    sampled: Vec<SampleOut>,
+    /// `QUIVER_ENGINE_PROFILE=1`: per-phase step times.
+    profile: Option<profile::StepProfile>,
     cand_buf: Vec<(usize, usize)>,
     counters: Counters,
 }
@@ -361,6 +377,13 @@ impl Core {
         self.reqs[r].as_mut().expect("live request")
     }
 
+    /// Profiling: the time since the last mark was spent in phase `p` (see `profile.rs`).
+    fn prof(&mut self, p: usize) {
+        if let Some(pr) = self.profile.as_mut() {
+            pr.mark(p);
+        }
+    }
+
     fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
@@ -375,6 +398,9 @@ impl Core {
                     Ok(m) => self.handle(m),
                     Err(_) => break,
                 }
+                if let Some(p) = self.profile.as_mut() {
+                    p.skip();
+                }
             }
             while let Ok(m) = rx.try_recv() {
                 self.handle(m);
@@ -384,8 +410,10 @@ impl Core {
                 self.publish_stats();
                 continue;
             }
+            self.prof(0);
             let progressed = self.step();
             self.publish_stats();
+            self.prof(7);
             if !progressed {
                 // Nothing could run (e.g. every waiting request needs a slot held by a
                 // failing adapter): wait for a message rather than spin.

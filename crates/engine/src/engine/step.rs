@@ -10,6 +10,7 @@ impl Core {
         if !self.schedule() {
             return false;
         }
+        self.prof(1);
         // Build the batch.
         self.batch.clear(self.stride);
         self.seq_adapters.clear();
@@ -29,6 +30,7 @@ impl Core {
                 self.counters.prefill_tokens += chunk as u64;
             }
         }
+        self.prof(2);
         // Forward.
         let any_lora = self.seq_adapters.iter().any(|a| a.is_some());
         if any_lora {
@@ -36,7 +38,7 @@ impl Core {
             let hook = self.manager.prepare_batch(&self.seq_adapters, &self.batch.seq_starts, &self.batch.logits_rows);
             match hook {
                 Ok(hook) => {
-                    self.model.forward(&self.batch, &mut self.kv, &mut self.ws, &hook as &dyn LoraHook);
+                    self.model.forward_on_device(&self.batch, &mut self.kv, &mut self.ws, &hook as &dyn LoraHook);
                 }
                 Err(e) => {
                     self.fail_unresident(e);
@@ -49,14 +51,25 @@ impl Core {
                 }
             }
         } else {
-            self.model.forward(&self.batch, &mut self.kv, &mut self.ws, &NoLora);
+            self.model.forward_on_device(&self.batch, &mut self.kv, &mut self.ws, &NoLora);
         }
-        // Sample and stream.
-        let vocab = self.model.config.vocab_size;
+        // The logits come to the host only when a row needs them there (prompt logprobs, or a
+        // draw with penalties, a grammar or a min_tokens ban); every other draw happens on the
+        // device and only its token (and logprobs) comes back.
+        let need_host = self.sched.iter().any(|&(si, chunk)| {
+            let s = self.seq(si);
+            let end = s.num_computed + chunk;
+            self.scores_prompt_rows(si, s.num_computed, end) || (end == s.tokens.len() && !self.draws_on_device(si))
+        });
+        self.prof(3);
+        if need_host {
+            self.model.logits_to_host(&mut self.ws, self.batch.logits_rows.len());
+        }
+        self.prof(4);
         let mut row = 0;
         let sched = std::mem::take(&mut self.sched);
-        let mut logits = std::mem::take(&mut self.logits_buf);
-        logits.resize(vocab, 0.0);
+        let mut to_sample = std::mem::take(&mut self.to_sample);
+        to_sample.clear();
         for &(si, chunk) in &sched {
             let start = self.seq(si).num_computed;
             let scored = self.scores_prompt_rows(si, start, start + chunk);
@@ -71,17 +84,68 @@ impl Core {
             } else if wants {
                 row += 1;
             }
-            if wants {
-                logits.copy_from_slice(&self.ws.host_logits[(row - 1) * vocab..row * vocab]);
-                if self.finish_prompt(si) {
-                    self.sample_seq(si, &logits);
+            if wants && self.finish_prompt(si) {
+                if self.req(self.seq(si).req).forked {
+                    to_sample.push((si, row - 1, HOST_DRAW));
+                } else {
+                    // A request's first token: its n sequences are made now, each drawing
+                    // from the same row.
+                    to_sample.extend(self.fork(si).into_iter().map(|s| (s, row - 1, HOST_DRAW)));
                 }
             }
         }
+        self.prof(5);
+        // The device's draws, in one call.
+        self.specs.clear();
+        for d in to_sample.iter_mut() {
+            if self.draws_on_device(d.0) {
+                d.2 = self.specs.len() as u32;
+                let spec = self.device_spec(d.0, d.1);
+                self.specs.push(spec);
+            }
+        }
+        if !self.specs.is_empty() {
+            self.sampled.resize(self.specs.len(), SampleOut::default());
+            self.model.sample(&self.ws, &self.specs, &mut self.sampled);
+        }
+        self.prof(6);
+        let vocab = self.model.config.vocab_size;
+        let mut logits = std::mem::take(&mut self.logits_buf);
+        for &(si, row, spec) in &to_sample {
+            if spec == HOST_DRAW {
+                logits.clear();
+                logits.extend_from_slice(&self.ws.host_logits[row * vocab..(row + 1) * vocab]);
+                self.sample_one(si, &logits);
+            } else {
+                let o = self.sampled[spec as usize];
+                let want_lp = self.req(self.seq(si).req).logprobs.is_some();
+                let lp = want_lp.then(|| TokenLogprob { logprob: o.logprob, top: (0..o.n_top as usize).map(|k| (o.top_ids[k], o.top_logprobs[k])).collect(), rank: o.rank });
+                self.seq_mut(si).sampler.advance();
+                self.accept_token(si, o.token, lp, false);
+            }
+        }
         self.logits_buf = logits;
+        if let Some(p) = self.profile.as_mut() {
+            p.end_step(sched.len());
+        }
+        self.to_sample = to_sample;
         self.sched = sched;
         self.sched.clear();
         true
+    }
+
+    /// Whether sequence `si`'s next draw can happen on the model's device: nothing about it
+    /// needs the host's view of the logits.
+    pub(super) fn draws_on_device(&self, si: usize) -> bool {
+        let s = self.seq(si);
+        let r = self.req(s.req);
+        s.guide.is_none() && !s.sampler.needs_host() && s.tokens.len() - r.prompt_len >= r.min_tokens && r.logprobs.is_none_or(|k| k <= TOP_LOGPROBS_MAX)
+    }
+
+    fn device_spec(&self, si: usize, row: usize) -> SampleSpec {
+        let s = self.seq(si);
+        let lp = self.req(s.req).logprobs.map_or(-1, |k| k as i32);
+        s.sampler.spec(row as u32, lp)
     }
 
     pub(super) fn count_slot_loads(&mut self) {
@@ -140,24 +204,11 @@ impl Core {
         }
     }
 
-    pub(super) fn sample_seq(&mut self, si: usize, logits: &[f32]) {
-        let ri = self.seq(si).req;
-        if !self.req(ri).forked {
-            for s in self.fork(si) {
-                self.sample_one(s, logits);
-            }
-        } else {
-            self.sample_one(si, logits);
-        }
-    }
-
     pub(super) fn sample_one(&mut self, si: usize, logits: &[f32]) {
         let mut work = std::mem::take(&mut self.work_buf);
         work.clear();
         work.extend_from_slice(logits);
         let ri = self.seq(si).req;
-        let tokenizer = self.tokenizer.clone();
-        let (eos_hit, stop_id_hit);
         let (tok, logprob, grammar_done) = {
             let s = self.seqs[si].as_mut().expect("live sequence");
             let r = self.reqs[ri].as_ref().expect("live request");
@@ -188,13 +239,25 @@ impl Core {
                 Some(Ok(done)) => done,
                 None => false,
             };
-            s.sampler.observe(tok);
-            s.tokens.push(tok);
-            stop_id_hit = r.stop_ids.contains(&tok);
-            eos_hit = stop_id_hit || (!r.ignore_eos && self.eos.contains(&tok));
             (tok, lp, grammar_done)
         };
         self.work_buf = work;
+        self.accept_token(si, tok, logprob, grammar_done);
+    }
+
+    /// Appends the drawn token `tok` to sequence `si`, streams its text and ends the sequence
+    /// when a stop condition holds.
+    pub(super) fn accept_token(&mut self, si: usize, tok: u32, logprob: Option<TokenLogprob>, grammar_done: bool) {
+        let ri = self.seq(si).req;
+        let tokenizer = self.tokenizer.clone();
+        let (eos_hit, stop_id_hit) = {
+            let s = self.seqs[si].as_mut().expect("live sequence");
+            let r = self.reqs[ri].as_ref().expect("live request");
+            s.sampler.observe(tok);
+            s.tokens.push(tok);
+            let stop_id_hit = r.stop_ids.contains(&tok);
+            (stop_id_hit || (!r.ignore_eos && self.eos.contains(&tok)), stop_id_hit)
+        };
         self.counters.generated += 1;
         let s = self.seqs[si].as_mut().expect("live sequence");
         let r = self.reqs[ri].as_ref().expect("live request");

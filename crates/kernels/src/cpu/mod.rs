@@ -143,6 +143,19 @@ impl Device for CpuDevice {
         t.as_cpu_mut()[..data.len()].copy_from_slice(data);
     }
 
+    fn sample(&self, logits: &Tensor, vocab: usize, specs: &[crate::sample::SampleSpec], out: &mut [crate::sample::SampleOut]) {
+        use rayon::prelude::*;
+        // Rows are independent (each draw depends only on its own row and spec), so they are
+        // drawn in parallel; the scratch is per worker thread and reused.
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Vec<(f32, u32)>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let l = logits.as_cpu();
+        specs.par_iter().zip(out.par_iter_mut()).for_each(|(s, o)| {
+            SCRATCH.with(|sc| crate::sample::sample_rows_host(l, vocab, std::slice::from_ref(s), std::slice::from_mut(o), &mut sc.borrow_mut()));
+        });
+    }
+
     fn matmul(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor) {
         let (k, n) = (w.cols, w.rows);
         let x = &x.as_cpu()[..m * k];

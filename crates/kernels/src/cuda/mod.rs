@@ -124,6 +124,8 @@ pub struct CudaDevice {
     recording: std::sync::atomic::AtomicBool,
     /// Streaming multiprocessors (sizes the LoRA shrink's split-k).
     sm_count: usize,
+    /// Sampling's specs and results (see `sample.rs`).
+    sample_bufs: Mutex<Option<sample::SampleBufs>>,
 }
 
 // SAFETY: the raw stream and function handles are used only under the device's discipline
@@ -156,6 +158,7 @@ mod lora;
 mod memory;
 mod module;
 mod profile;
+mod sample;
 mod transfer;
 
 use gemm::SplitGemm;
@@ -259,6 +262,7 @@ impl CudaDevice {
             lora_geom: Mutex::new(lora::LoraGeometry::default()),
             recording: Default::default(),
             sm_count,
+            sample_bufs: Mutex::new(None),
         })
     }
 
@@ -413,16 +417,11 @@ impl Device for CudaDevice {
             out[..len].copy_from_slice(st.pin_down.slice_mut::<f32>(len));
         }
         drop(st);
-        let t = started;
-        if let Some(p) = &self.profiler {
-            let mut p = p.lock().unwrap();
-            if let Some(s) = p.step_start.take() {
-                p.issue_s += t.duration_since(s).as_secs_f64();
-                p.wait_s += t.elapsed().as_secs_f64();
-                p.steps += 1;
-            }
-        }
-        self.collect_profile();
+        self.step_synced(started);
+    }
+
+    fn sample(&self, logits: &Tensor, vocab: usize, specs: &[crate::sample::SampleSpec], out: &mut [crate::sample::SampleOut]) {
+        self.sample_on_device(logits, vocab, specs, out);
     }
 
     fn upload(&self, data: &[f32], t: &mut Tensor) {

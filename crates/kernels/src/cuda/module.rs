@@ -7,8 +7,8 @@ use cudarc::driver::{result, sys, CudaModule};
 use std::sync::Arc;
 use std::path::PathBuf;
 
-/// `kernels.cu` then `lora.cu`, one module (the LoRA kernels use the helpers above them).
-pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("lora.cu"));
+/// `kernels.cu`, `lora.cu` then `sample.cu`, one module (the LoRA kernels use the helpers above them).
+pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("lora.cu"), include_str!("sample.cu"));
 
 pub(super) struct Kernels {
     pub(super) f32_to_bf16: sys::CUfunction,
@@ -35,6 +35,7 @@ pub(super) struct Kernels {
     pub(super) lora_shrink_mma: sys::CUfunction,
     pub(super) lora_shrink_ids: sys::CUfunction,
     pub(super) lora_expand: sys::CUfunction,
+    pub(super) sample_rows: sys::CUfunction,
 }
 
 impl Kernels {
@@ -65,6 +66,7 @@ impl Kernels {
             lora_shrink_mma: f("lora_shrink_mma")?,
             lora_shrink_ids: f("lora_shrink_ids")?,
             lora_expand: f("lora_expand")?,
+            sample_rows: f("sample_rows")?,
         };
         for (i, &pf) in k.prefill_attention.iter().enumerate() {
             let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;

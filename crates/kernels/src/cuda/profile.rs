@@ -37,6 +37,20 @@ impl CudaDevice {
     }
 
     /// Profiling: after a host sync, charges the recorded intervals to their ops.
+    /// The host waited for the step's results from `waited_from` on: the step's issue and wait
+    /// times, then its kernels' times.
+    pub(super) fn step_synced(&self, waited_from: std::time::Instant) {
+        if let Some(p) = &self.profiler {
+            let mut p = p.lock().unwrap();
+            if let Some(s) = p.step_start.take() {
+                p.issue_s += waited_from.duration_since(s).as_secs_f64();
+                p.wait_s += waited_from.elapsed().as_secs_f64();
+                p.steps += 1;
+            }
+        }
+        self.collect_profile();
+    }
+
     pub(super) fn collect_profile(&self) {
         let Some(p) = &self.profiler else { return };
         let mut p = p.lock().unwrap();

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The served engine against the forward pass on the GPU machine (issue: the serving engine at GPU
+# speed), after scripts/gpu-check.sh made the models (same $QUIVER_GPU_DATA): `quiver bench
+# generate` on the Llama-3.1-8B-shaped bf16 model (the ceiling: decode steps at each batch size,
+# a greedy draw per row on the device), then one `quiver serve` with the GPU defaults and `quiver
+# bench serve` at each concurrency, 128 tokens in, 128 out, --ignore-eos, base model. Prints
+# output tok/s, the ratio to the ceiling at the same batch, TTFT / TPOT / ITL percentiles.
+#
+#   SERVE_CONC       concurrencies (default "1 16 64 256")
+#   SERVE_PROMPTS    prompts per run = max(8, this × concurrency) (default 3)
+#   SERVE_ARGS       extra `quiver serve` arguments
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
+OUT=${OUT:-$PWD/gpu-out}
+LOGS=$DATA/logs
+mkdir -p "$OUT" "$LOGS" "$DATA/serve"
+. scripts/gpu-env.sh
+concs=${SERVE_CONC:-1 16 64 256}
+per=${SERVE_PROMPTS:-3}
+model=$DATA/models/llama8b
+.gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$model" --prompt-len 128 --decode-steps 64 --reps 3 \
+    --batch-sizes "$(echo $concs | tr ' ' ',')" --output-json "$DATA/serve/ceiling.json" > "$LOGS/serve-ceiling.log" 2>&1 \
+    || { echo "bench generate failed"; tail -n 5 "$LOGS/serve-ceiling.log"; }
+port=8767
+# shellcheck disable=SC2086
+.gpu/bin/quiver serve --device cuda --dtype bf16 --model "$model" --port $port ${SERVE_ARGS:-} > "$LOGS/serve-engine.log" 2>&1 &
+pid=$!
+trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
+for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
+curl -sf localhost:$port/health >/dev/null || { echo "server did not come up"; tail -n 20 "$LOGS/serve-engine.log"; exit 1; }
+grep -m1 "batch limits" "$LOGS/serve-engine.log"
+for c in $concs; do
+    n=$((c * per > 8 ? c * per : 8))
+    .gpu/bin/quiver bench serve --base-url "http://127.0.0.1:$port" --model llama8b --random-input-len 128 --random-output-len 128 \
+        --random-range-ratio 1 --random-vocab-size 49000 --ignore-eos --num-prompts "$n" --max-concurrency "$c" --warmup-requests "$c" \
+        --no-progress --output-json "$DATA/serve/engine-c$c.json" > "$LOGS/serve-engine-c$c.log" 2>&1 \
+        || { echo "bench c$c failed"; tail -n 5 "$LOGS/serve-engine-c$c.log"; }
+done
+python3 - "$DATA/serve" "$concs" <<'PY' | tee "$OUT/serve-engine.txt"
+import json, os, sys
+d, concs = sys.argv[1], sys.argv[2].split()
+ceil = {}
+p = os.path.join(d, "ceiling.json")
+if os.path.exists(p):
+    j = json.load(open(p))
+    for r in j.get("decode", j.get("rows", [])):
+        ceil[str(r["batch"])] = r["tok_s"]
+print(f"{'conc':>5}{'ceiling':>10}{'served':>10}{'ratio':>7}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'failed':>7}")
+for c in concs:
+    p = os.path.join(d, f"engine-c{c}.json")
+    if not os.path.exists(p):
+        print(f"{c:>5}   (missing)")
+        continue
+    s = json.load(open(p))
+    cl = ceil.get(c, float("nan"))
+    t, tp, it = s["ttft_ms"], s["tpot_ms"], s["itl_ms"]
+    print(f"{c:>5}{cl:>10.1f}{s['output_throughput']:>10.1f}{s['output_throughput'] / cl:>7.3f}{t['median']:>10.1f}{t['p99']:>8.1f}{tp['median']:>10.2f}{tp['p99']:>8.2f}{it['median']:>9.2f}{it['p99']:>8.2f}{s['failed']:>7}")
+PY
