@@ -122,8 +122,6 @@ pub struct CudaDevice {
     lora_geom: Mutex<lora::LoraGeometry>,
     /// A step is being recorded: launches must not depend on the step's data.
     recording: std::sync::atomic::AtomicBool,
-    /// Streaming multiprocessors (sizes the LoRA shrink's split-k).
-    sm_count: usize,
     /// Sampling's specs and results (see `sample.rs`).
     sample_bufs: Mutex<Option<sample::SampleBufs>>,
 }
@@ -205,7 +203,6 @@ impl CudaDevice {
             bail!("{name}: Quiver's CUDA kernels need compute capability 8.0 (Ampere) or newer");
         }
         let arch = format!("sm_{maj}{min}");
-        let sm_count = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).context("reading the multiprocessor count")?.max(1) as usize;
         let ptx = kernels_ptx(&arch)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).context("loading Quiver's CUDA kernels")?;
         let k = Kernels::load(&module)?;
@@ -261,7 +258,6 @@ impl CudaDevice {
             fuse_epilogues,
             lora_geom: Mutex::new(lora::LoraGeometry::default()),
             recording: Default::default(),
-            sm_count,
             sample_bufs: Mutex::new(None),
         })
     }
