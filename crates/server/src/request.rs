@@ -384,7 +384,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
             Some(Value::String(r)) => r.clone(),
             _ => return Err(ApiError::field(&format!("messages[{i}].role"), format!("`messages[{i}].role` must be a string"))),
         };
-        messages.push(ChatMessage { role, content: message_content(mo.get("content"), i)? });
+        messages.push(ChatMessage::new(role, message_content(mo.get("content"), i)?));
     }
     let common = parse_common(&f, &["max_completion_tokens", "max_tokens"], 1.0)?;
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
