@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_openai_api import (PROMPT, SERVED, Server, check, error_shape, make_random_adapter,  # noqa: E402
+from test_openai_api import (PROMPT, SERVED, Runner, Server, check, error_shape, make_random_adapter,  # noqa: E402
                              prepare_adapters, smollm2_dims)
 
 API_KEY = "hardening-key"
@@ -632,20 +632,7 @@ def main():
     a = ap.parse_args()
     quiver = os.path.abspath(a.quiver)
     model_args = ["--model", a.model] if a.model else []
-    passed, failed = 0, 0
-
-    def run(name, fn, *args):
-        nonlocal passed, failed
-        if a.k and a.k not in name:
-            return
-        t0 = time.time()
-        try:
-            fn(*args)
-            passed += 1
-            print(f"PASS {name} ({time.time() - t0:.1f}s)", flush=True)
-        except Exception:
-            failed += 1
-            print(f"FAIL {name} ({time.time() - t0:.1f}s)\n{traceback.format_exc()}", flush=True)
+    R = Runner(a.k)
 
     d = tempfile.mkdtemp(prefix="quiver-hostile-")
     outside = None
@@ -655,21 +642,20 @@ def main():
         if not a.k or any(a.k in fn.__name__ for fn in TESTS):
             S = Server(quiver, model_args + ["--lora-dir", d, "--max-loras", "4", "--max-lora-rank", "64"], "hostile", api_key=API_KEY).wait_ready()
             for fn in TESTS:
-                run(fn.__name__, fn, S, d)
-            if S.proc.poll() is not None or failed:
+                R.run(fn.__name__, fn, S, d)
+            if S.proc.poll() is not None or R.failed:
                 print(f"--- server log tail ---\n{S.tail(20)}")
             S.kill()
-        run("stream_cut_by_shutdown", stream_cut_by_shutdown, quiver, model_args)
-        run("queue_429_retry_after", queue_429_retry_after, quiver, model_args)
-        run("soak", soak, quiver, model_args, a.soak_requests)
+        R.run("stream_cut_by_shutdown", stream_cut_by_shutdown, quiver, model_args)
+        R.run("queue_429_retry_after", queue_429_retry_after, quiver, model_args)
+        R.run("soak", soak, quiver, model_args, a.soak_requests)
     finally:
         if S:
             S.kill()
         shutil.rmtree(d, ignore_errors=True)
         if outside:
             shutil.rmtree(outside, ignore_errors=True)
-    print(f"{passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
+    R.finish()
 
 
 if __name__ == "__main__":

@@ -159,6 +159,30 @@ class Server:
 # ----------------------------------------------------------------------------------------------
 # test harness
 
+class Runner:
+    """Runs named tests (those whose name contains `only`, when given), printing PASS/FAIL
+    with the time and the traceback; `finish` prints the `N passed, M failed` line and exits."""
+
+    def __init__(self, only=None):
+        self.only, self.passed, self.failed = only, 0, 0
+
+    def run(self, name, fn, *args):
+        if self.only and self.only not in name:
+            return
+        t0 = time.time()
+        try:
+            fn(*args)
+            self.passed += 1
+            print(f"PASS {name} ({time.time() - t0:.1f}s)", flush=True)
+        except Exception:
+            self.failed += 1
+            print(f"FAIL {name} ({time.time() - t0:.1f}s)\n{traceback.format_exc()}", flush=True)
+
+    def finish(self):
+        print(f"{self.passed} passed, {self.failed} failed")
+        sys.exit(1 if self.failed else 0)
+
+
 TESTS = []
 
 
@@ -739,7 +763,10 @@ def accepted_fields_do_what_vllm_does(S):
     for body, field in [({"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"), ({"prompt": PROMPT, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
                         ({"prompt": PROMPT, "cache_salt": "x"}, "cache_salt")]:
         error_shape(S.post("/v1/completions", {"model": SERVED, **body}), 400, field)
-    error_shape(S.post("/v1/chat/completions", {"model": SERVED, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}), 400, "tools")
+    # Tools without tool_choice mean `auto`: vLLM's 400 on a server started without its tool
+    # flags (this one); tests/server/test_tools.py serves tools with them.
+    e = error_shape(S.post("/v1/chat/completions", {"model": SERVED, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}), 400, "--enable-auto-tool-choice")
+    check(e["param"] == "tool_choice", e)
 
 
 SCHEMAS = [
@@ -868,22 +895,9 @@ def main():
     a = ap.parse_args()
     quiver = os.path.abspath(a.quiver)
     model_args = ["--model", a.model] if a.model else []
-    passed, failed = 0, 0
+    R = Runner(a.k)
     lora_dir = tempfile.mkdtemp(prefix="quiver-loras-")
     servers = []
-
-    def run(name, fn, *args):
-        nonlocal passed, failed
-        if a.k and a.k not in name:
-            return
-        t0 = time.time()
-        try:
-            fn(*args)
-            passed += 1
-            print(f"PASS {name} ({time.time() - t0:.1f}s)", flush=True)
-        except Exception:
-            failed += 1
-            print(f"FAIL {name} ({time.time() - t0:.1f}s)\n{traceback.format_exc()}", flush=True)
 
     try:
         names = prepare_adapters(lora_dir)
@@ -895,27 +909,26 @@ def main():
         try:
             S.wait_ready()
         except Exception:
-            failed += 1
+            R.failed += 1
             print(f"FAIL server start\n{traceback.format_exc()}")
             raise SystemExit
         for fn in TESTS:
             params = fn.__code__.co_varnames[:fn.__code__.co_argcount]
             extra = [lora_dir] if "lora_dir" in params else []
-            run(fn.__name__, fn, S, *extra)
+            R.run(fn.__name__, fn, S, *extra)
         S.kill()
-        run("queue_overflow_429", queue_overflow_429, quiver, model_args)
-        run("graceful_shutdown", graceful_shutdown, quiver, model_args)
+        R.run("queue_overflow_429", queue_overflow_429, quiver, model_args)
+        R.run("graceful_shutdown", graceful_shutdown, quiver, model_args)
     except SystemExit:
         pass
     finally:
         for s in servers:
-            if s.proc.poll() is None or failed:
-                if failed:
+            if s.proc.poll() is None or R.failed:
+                if R.failed:
                     print(f"--- server log tail ({s.log_path}) ---\n{s.tail(20)}")
             s.kill()
         shutil.rmtree(lora_dir, ignore_errors=True)
-    print(f"{passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
+    R.finish()
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let tok = &lm.tokenizer;
     let prompt_ids = if a.chat {
         let tpl = tok.chat_template().context("--chat: this model has no chat template")?;
-        let text = tpl.render(&[ChatMessage { role: "user".into(), content: a.prompt.clone() }], true)?;
+        let text = tpl.render(&[ChatMessage::new("user", a.prompt.clone())], true)?;
         tok.encode(&text, false)?
     } else {
         tok.encode(&a.prompt, true)?

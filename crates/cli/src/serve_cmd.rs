@@ -94,6 +94,16 @@ pub struct ServeArgs {
     #[arg(long, alias = "context-length")]
     pub max_model_len: Option<usize>,
 
+    // ---- tool calling (vLLM spelling)
+    /// Serve `tool_choice: auto`: the model decides when to call tools, and its calls are read
+    /// from its output by --tool-call-parser.
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
+    /// How the model writes tool calls: hermes (Hermes, Qwen2.5), llama3_json (Llama 3.1 / 3.2
+    /// JSON), mistral. Forced calls (`tool_choice` required or named) are written in it too.
+    #[arg(long, value_name = "NAME")]
+    pub tool_call_parser: Option<quiver_server::tools::ToolParser>,
+
     // ---- server
     /// Seconds running requests get to finish after SIGTERM/SIGINT.
     #[arg(long, default_value_t = 30.0)]
@@ -211,6 +221,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
             bail!("--served-model-name `{n}`: must be non-empty and contain no ':' (it separates base and adapter in `model`)");
         }
     }
+    if a.enable_auto_tool_choice && a.tool_call_parser.is_none() {
+        bail!("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)");
+    }
     let adapters = startup_adapters(&a)?;
     let cfg = engine_config(&a)?;
     if let Some(d) = &a.lora_dir {
@@ -257,6 +270,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         lora_enabled,
         max_body_bytes: a.max_body_bytes,
         shutdown_grace: Duration::from_secs_f64(a.shutdown_grace.max(0.0)),
+        tool_parser: a.tool_call_parser,
+        enable_auto_tool_choice: a.enable_auto_tool_choice,
     };
     let names: Vec<&str> = adapters.iter().map(|s| s.name.as_str()).collect();
     let lora_note = match (names.is_empty(), &a.lora_dir) {

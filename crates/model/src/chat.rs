@@ -13,15 +13,26 @@ use minijinja::value::{Kwargs, Rest};
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One message as templates see it. The optional fields are OpenAI's tool-calling ones; absent,
+/// they are undefined in the template (not null), as in the dicts transformers passes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls in OpenAI's shape (`id`, `type`, `function.name`,
+    /// `function.arguments`), with `arguments` a JSON value: HF templates index into it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` turn's answer to this call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), ..Default::default() }
     }
 }
 
@@ -330,5 +341,24 @@ mod tests {
         let mut s = String::new();
         write_json_str(&mut s, "\u{7f}é😀", true);
         assert_eq!(s, "\"\\u007f\\u00e9\\ud83d\\ude00\"");
+    }
+
+    /// The tool-calling fields reach the template as transformers passes them: history calls
+    /// with their arguments as objects (templates `tojson` them, key order kept), the tool
+    /// turn's id, and none of them defined on a plain message.
+    #[test]
+    fn tool_fields_reach_the_template() {
+        let src = "{% for m in messages %}{{ m.role }}:{% if m.tool_calls is defined %}{% for c in m.tool_calls %}{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}{% endif %}{% if m.tool_call_id is defined %}[{{ m.tool_call_id }}]{% endif %}{{ m.content }};{% endfor %}{{ tools | tojson }}";
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        let call = serde_json::json!({"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"z": 1, "a": [true, null]}}});
+        let msgs = [
+            ChatMessage::new("user", "hi"),
+            ChatMessage { tool_calls: Some(vec![call]), ..ChatMessage::new("assistant", "") },
+            ChatMessage { tool_call_id: Some("c1".into()), ..ChatMessage::new("tool", "18C") },
+        ];
+        let mut extra = serde_json::Map::new();
+        extra.insert("tools".into(), serde_json::json!([{"type": "function", "function": {"name": "f"}}]));
+        let got = t.render_with(&msgs, false, extra).unwrap();
+        assert_eq!(got, r#"user:hi;assistant:f{"z": 1, "a": [true, null]};tool:[c1]18C;[{"type": "function", "function": {"name": "f"}}]"#);
     }
 }

@@ -134,6 +134,10 @@ pub trait Backend: Send + Sync + 'static {
     /// Renders the chat template; `extra` are further template variables (`documents`,
     /// `chat_template_kwargs`), `template` a request's own template source.
     fn render_chat(&self, messages: &[quiver_model::chat::ChatMessage], add_generation_prompt: bool, extra: serde_json::Map<String, serde_json::Value>, template: Option<&str>) -> Result<String, String>;
+    /// Whether the grammar engine takes `c` (the error says what is wrong), without a request.
+    fn check_constraint(&self, c: &quiver_engine::Constraint) -> Result<(), String>;
+    /// The id of the single token whose text is exactly `text`, if the vocabulary has one.
+    fn token_id(&self, text: &str) -> Option<u32>;
     fn submit(&self, req: GenRequest) -> Result<EventStream, SubmitError>;
     fn load_adapter(&self, name: &str, path: &std::path::Path, pinned: bool, load_inplace: bool, expected_version: Option<u64>) -> Result<AdapterInfo, AdapterError>;
     fn unload_adapter(&self, name: &str) -> Result<(), AdapterError>;

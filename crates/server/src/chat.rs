@@ -1,6 +1,7 @@
 //! `POST /v1/chat/completions`: the chat template (with vLLM's `continue_final_message`,
-//! `add_generation_prompt`, `documents`, `chat_template`, `chat_template_kwargs`), then one
-//! generation per choice, streamed as OpenAI's deltas or collected.
+//! `add_generation_prompt`, `documents`, `chat_template`, `chat_template_kwargs`, `tools`), then
+//! one generation per choice, streamed as OpenAI's deltas or collected; with tools, calls are
+//! read out of each choice (`crate::tools`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -13,10 +14,11 @@ use axum::Json;
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use crate::backend::Event;
+use crate::backend::{Event, FinishReason};
 use crate::error::ApiError;
 use crate::logprobs::LpRender;
 use crate::request::{self, ChatRequest};
+use crate::tools::{reply, ToolPlan, ToolStream};
 use crate::server::{body_bytes, collect, finish_str, now_secs, resolve_adapter, sse_response, stop_reason_json, submit_all, truncate_prompt, usage, with_usage_tail, AppState, Job};
 
 /// The prompt text of a chat request. With `continue_final_message` the rendering is cut
@@ -34,9 +36,32 @@ pub(crate) fn render_prompt(st: &AppState, r: &ChatRequest) -> Result<String, Ap
     }
 }
 
+/// The reply's `finish_reason`: `tool_calls` when the model stopped after calling tools
+/// (except for a forced named function: `stop`, as OpenAI and vLLM report it).
+fn finish_json(finish: Option<FinishReason>, calls: usize, plan: Option<&ToolPlan>) -> Value {
+    match (finish, plan) {
+        (Some(FinishReason::Stop), Some(p)) if calls > 0 && !p.named => "tool_calls".into(),
+        _ => finish_str(finish),
+    }
+}
+
+/// A whole reply's `message`: the text, or the calls read out of it (`content` is null when
+/// calls are all there is).
+fn message_json(text: &str, echoed: &str, plan: Option<&ToolPlan>) -> (Value, usize) {
+    let Some(p) = plan else { return (json!({"role": "assistant", "content": format!("{echoed}{text}")}), 0) };
+    let parsed = p.format.parse(text);
+    if parsed.calls.is_empty() {
+        return (json!({"role": "assistant", "content": format!("{echoed}{}", parsed.content)}), 0);
+    }
+    let content = format!("{echoed}{}", parsed.content);
+    let content = if content.is_empty() { Value::Null } else { content.into() };
+    (json!({"role": "assistant", "content": content, "tool_calls": reply::message_calls(&parsed.calls, p.ids)}), parsed.calls.len())
+}
+
 pub(crate) async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let body = body_bytes(body)?;
-    let r = request::parse_chat(&body)?;
+    let mut r = request::parse_chat(&body)?;
+    let plan = crate::tools::plan(&st, &mut r)?;
     let adapter = resolve_adapter(&st, r.model.as_deref(), r.lora_path.as_deref()).await?;
     let model_name = r.model.clone().unwrap_or_else(|| st.served().to_string());
     if !st.backend.has_chat_template() && r.chat_template.is_none() {
@@ -65,7 +90,8 @@ pub(crate) async fn chat_completions(State(st): State<Arc<AppState>>, body: Resu
             .enumerate()
             .map(|(i, c)| {
                 let lp = if want_lp { lr.chat(&c.logprobs, top_n) } else { Value::Null };
-                json!({"index": i, "message": {"role": "assistant", "content": format!("{echoed}{}", c.text)}, "logprobs": lp, "finish_reason": finish_str(c.finish), "stop_reason": stop_reason_json(&c.stop_reason)})
+                let (message, calls) = message_json(&c.text, &echoed, plan.as_ref());
+                json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish_json(c.finish, calls, plan.as_ref()), "stop_reason": stop_reason_json(&c.stop_reason)})
             })
             .collect();
         let plp = match (&r.prompt_logprobs, &got.prompt_logprobs[0]) {
@@ -96,6 +122,9 @@ pub(crate) async fn chat_completions(State(st): State<Arc<AppState>>, body: Resu
         v
     }));
     let mut counts = vec![0usize; n];
+    // Each choice's text goes through the tool format, which holds back what it cannot place
+    // yet and turns calls into `tool_calls` deltas.
+    let mut readers: Vec<Option<ToolStream>> = (0..n).map(|_| plan.as_ref().map(|p| ToolStream::new(p.format.clone()))).collect();
     let events = merged.filter_map(move |(_, ev)| {
         let lr = LpRender { st: &st2, as_ids: render_ids };
         let out = match ev {
@@ -106,11 +135,22 @@ pub(crate) async fn chat_completions(State(st): State<Arc<AppState>>, body: Resu
                     (Some(l), true) => lr.chat(&[(token_id, l)], top_n),
                     _ => Value::Null,
                 };
-                Some(chunk(json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": Value::Null}), continuous.then(|| usage(prompt_len, counts[index]))))
+                let delta = match (readers.get_mut(index).and_then(Option::as_mut), &plan) {
+                    (Some(reader), Some(p)) => Value::Object(reply::delta_fields(reader.push(&text), p.ids)),
+                    _ => json!({"content": text}),
+                };
+                // Text held back by the tool reader makes no chunk, unless it carries logprobs.
+                let empty = delta.as_object().is_some_and(|d| d.is_empty());
+                (!empty || want_lp).then(|| chunk(json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": Value::Null}), continuous.then(|| usage(prompt_len, counts[index]))))
             }
             Event::Finished { index, reason, stop_reason, completion_tokens, .. } => {
                 c2.fetch_add(completion_tokens, Ordering::Relaxed);
-                Some(chunk(json!({"index": index, "delta": {}, "logprobs": Value::Null, "finish_reason": reason.as_str(), "stop_reason": stop_reason_json(&stop_reason)}), continuous.then(|| usage(prompt_len, completion_tokens))))
+                let (delta, calls) = match (readers.get_mut(index).and_then(Option::as_mut), &plan) {
+                    (Some(reader), Some(p)) => (reply::delta_fields(reader.finish(), p.ids), reader.calls()),
+                    _ => (Default::default(), 0),
+                };
+                let finish = finish_json(Some(reason), calls, plan.as_ref());
+                Some(chunk(json!({"index": index, "delta": delta, "logprobs": Value::Null, "finish_reason": finish, "stop_reason": stop_reason_json(&stop_reason)}), continuous.then(|| usage(prompt_len, completion_tokens))))
             }
             Event::Error(e) => Some(ApiError::internal(format!("generation failed: {e}")).body()),
         };

@@ -100,6 +100,13 @@ impl Backend for EngineBackend {
         };
         t.render_with(messages, add_generation_prompt, extra).map_err(|e| format!("{e:#}"))
     }
+    fn check_constraint(&self, c: &quiver_engine::Constraint) -> Result<(), String> {
+        self.handle.check_constraint(c)
+    }
+    fn token_id(&self, text: &str) -> Option<u32> {
+        let tok = self.handle.tokenizer();
+        tok.token_to_id(text).filter(|&id| tok.decode(&[id], false).is_ok_and(|t| t == text))
+    }
     fn submit(&self, r: GenRequest) -> Result<EventStream, SubmitError> {
         let n = r.n;
         let req = GenerateRequest {

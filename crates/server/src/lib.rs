@@ -18,11 +18,14 @@ mod sglang;
 pub mod structured;
 pub mod shutdown;
 pub mod tokenize;
+pub mod tools;
 
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tests_hardening;
+#[cfg(test)]
+mod tests_tools;
 
 pub use adapters::{parse_lora_module, parse_lora_path, StartupAdapter};
 pub use backend::Backend;

@@ -121,8 +121,8 @@ const UNSUPPORTED: &[(&str, &str)] = &[
     ("extra_key", "null"),
 ];
 
-/// Chat-only fields not implemented yet.
-const UNSUPPORTED_CHAT: &[(&str, &str)] = &[("tools", "[]"), ("functions", "null"), ("function_call", "null"), ("reasoning_effort", "null")];
+/// Chat-only fields not implemented. (`tools` and `tool_choice` are read in tools/spec.rs.)
+const UNSUPPORTED_CHAT: &[(&str, &str)] = &[("functions", "null"), ("function_call", "null"), ("reasoning_effort", "null")];
 
 fn is_off(v: &Value, off: &str) -> bool {
     let off: Value = serde_json::from_str(off).unwrap_or(Value::Null);
@@ -140,17 +140,11 @@ pub fn refuse_unsupported(f: &Fields, chat: bool) -> Result<(), ApiError> {
         if let Some(v) = f.get(k) {
             if !is_off(v, off) {
                 let what = match k {
-                    "tools" | "functions" | "function_call" => "tool calling is not supported by this server yet",
+                    // OpenAI's deprecated spelling; a client using it expects calls.
+                    "functions" | "function_call" => "is not supported by this server; use `tools` and `tool_choice`",
                     _ => "is not supported by this server",
                 };
                 return Err(err(&f.name(k), what));
-            }
-        }
-    }
-    if chat {
-        if let Some(v) = f.get("tool_choice") {
-            if !matches!(v.as_str(), Some("none" | "auto")) {
-                return Err(ApiError::field("tool_choice", "`tool_choice` other than none or auto needs `tools`, and tool calling is not supported by this server yet"));
             }
         }
     }
@@ -177,9 +171,8 @@ mod tests {
         ] {
             assert_eq!(refused(body, false).as_deref(), Some(field), "{body}");
         }
-        assert_eq!(refused(r#"{"tools":[{"type":"function","function":{"name":"f"}}]}"#, true).as_deref(), Some("tools"));
-        assert_eq!(refused(r#"{"tool_choice":"required"}"#, true).as_deref(), Some("tool_choice"));
-        for body in [r#"{"use_beam_search":false,"priority":0,"length_penalty":1.0,"bad_words":[],"response_format":{"type":"text"}}"#, r#"{"tools":[],"tool_choice":"none"}"#, r#"{"tool_choice":"auto"}"#] {
+        assert_eq!(refused(r#"{"functions":[{"name":"f"}]}"#, true).as_deref(), Some("functions"));
+        for body in [r#"{"use_beam_search":false,"priority":0,"length_penalty":1.0,"bad_words":[],"response_format":{"type":"text"}}"#, r#"{"tools":[],"tool_choice":"none"}"#, r#"{"function_call":null}"#] {
             assert_eq!(refused(body, true), None, "{body}");
         }
     }

@@ -21,7 +21,8 @@ pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn kind(v: &Value) -> &'static str {
+/// How a wrong value is named in a 400: "got a string".
+pub(crate) fn kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -339,8 +340,10 @@ pub struct ChatRequest {
     pub echo: bool,
     pub add_special_tokens: bool,
     pub prompt_logprobs: Option<usize>,
-    /// Template variables: `documents` and `chat_template_kwargs`.
+    /// Template variables: `tools`, `documents` and `chat_template_kwargs`.
     pub template_vars: Map<String, Value>,
+    /// `tools`, `tool_choice`, `parallel_tool_calls` (None without tools).
+    pub tools: Option<crate::tools::ToolSpec>,
     pub chat_template: Option<String>,
     pub request_id: Option<String>,
 }
@@ -384,7 +387,19 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
             Some(Value::String(r)) => r.clone(),
             _ => return Err(ApiError::field(&format!("messages[{i}].role"), format!("`messages[{i}].role` must be a string"))),
         };
-        messages.push(ChatMessage { role, content: message_content(mo.get("content"), i)? });
+        let mut m = ChatMessage::new(role, message_content(mo.get("content"), i)?);
+        // The tool-calling fields, passed to the template as vLLM passes them.
+        if let Some(calls) = mo.get("tool_calls").filter(|v| !v.is_null()) {
+            m.tool_calls = Some(crate::tools::spec::history_calls(i, calls)?);
+        }
+        for (key, slot) in [("tool_call_id", &mut m.tool_call_id), ("name", &mut m.name)] {
+            match mo.get(key) {
+                None | Some(Value::Null) => {}
+                Some(Value::String(v)) => *slot = Some(v.clone()),
+                Some(v) => return Err(ApiError::field(&format!("messages[{i}].{key}"), format!("`messages[{i}].{key}` must be a string, got {}", kind(v)))),
+            }
+        }
+        messages.push(m);
     }
     let common = parse_common(&f, &["max_completion_tokens", "max_tokens"], 1.0)?;
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
@@ -415,6 +430,14 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
         }
         Some(v) => return Err(ApiError::field("documents", format!("`documents` must be a list of objects, got {}", kind(v)))),
     }
+    // Tools reach the template whatever `tool_choice` says (vLLM's default).
+    let tools = match crate::tools::spec::parse(&f)? {
+        Some((spec, raw)) => {
+            template_vars.insert("tools".into(), raw);
+            Some(spec)
+        }
+        None => None,
+    };
     Ok(ChatRequest {
         model,
         lora_path,
@@ -428,6 +451,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
         add_special_tokens: f.bool("add_special_tokens")?.unwrap_or(false),
         prompt_logprobs,
         template_vars,
+        tools,
         chat_template: f.str("chat_template")?.map(str::to_string),
         request_id: f.str("request_id")?.map(str::to_string),
     })

@@ -42,6 +42,10 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// How long running requests may take to finish after SIGTERM/SIGINT.
     pub shutdown_grace: Duration,
+    /// vLLM's `--tool-call-parser`: how the model writes tool calls.
+    pub tool_parser: Option<crate::tools::ToolParser>,
+    /// vLLM's `--enable-auto-tool-choice`: `tool_choice: auto` is served (needs a parser).
+    pub enable_auto_tool_choice: bool,
 }
 
 impl Default for ServerConfig {
@@ -54,6 +58,8 @@ impl Default for ServerConfig {
             lora_enabled: true,
             max_body_bytes: 16 << 20,
             shutdown_grace: Duration::from_secs(30),
+            tool_parser: None,
+            enable_auto_tool_choice: false,
         }
     }
 }

@@ -90,6 +90,12 @@ impl EngineHandle {
         Ok(RequestStream { id, rx: erx, cancel: CancelGuard { flag: cancel, wake: self.inner.tx.clone() }, n, prompt_tokens })
     }
 
+    /// Compiles `c` for this model's vocabulary and drops it: whether a request carrying it
+    /// would be taken, the error saying why not.
+    pub fn check_constraint(&self, c: &crate::structured::Constraint) -> Result<(), String> {
+        self.inner.shared.grammars.as_ref().map_err(|e| e.clone())?.compile(c).map(drop)
+    }
+
     /// Loads (or, with `load_inplace`, replaces) an adapter. Reading and validating the files
     /// happens on the loader thread; requests for a new name submitted meanwhile wait for it.
     /// `expected_version` makes a replace a compare-and-swap.
