@@ -2,7 +2,8 @@
 # The served engine against the forward pass on the GPU machine (issue: the serving engine at GPU
 # speed), after scripts/gpu-check.sh made the models (same $QUIVER_GPU_DATA): `quiver bench
 # generate` on the Llama-3.1-8B-shaped bf16 model (the ceiling: decode steps at each batch size,
-# a greedy draw per row on the device), then one `quiver serve` with the GPU defaults and `quiver
+# a greedy draw per row on the device, contexts 160..224 as a served 128-in / 128-out request
+# decodes at 128..256), then one `quiver serve` with the GPU defaults and `quiver
 # bench serve` at each concurrency, 128 tokens in, 128 out, --ignore-eos, base model. Prints
 # output tok/s, the ratio to the ceiling at the same batch, TTFT / TPOT / ITL percentiles.
 #
@@ -19,7 +20,7 @@ mkdir -p "$OUT" "$LOGS" "$DATA/serve"
 concs=${SERVE_CONC:-1 16 64 256}
 per=${SERVE_PROMPTS:-3}
 model=$DATA/models/llama8b
-.gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$model" --prompt-len 128 --decode-steps 64 --reps 3 \
+.gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$model" --prompt-len 128 --decode-context 160 --decode-steps 64 --reps 3 \
     --batch-sizes "$(echo $concs | tr ' ' ',')" --output-json "$DATA/serve/ceiling.json" > "$LOGS/serve-ceiling.log" 2>&1 \
     || { echo "bench generate failed"; tail -n 5 "$LOGS/serve-ceiling.log"; }
 port=8767

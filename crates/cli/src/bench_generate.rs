@@ -27,6 +27,10 @@ pub struct BenchGenerateArgs {
     #[arg(long, default_value_t = 64)]
     pub decode_steps: usize,
     /// Batch sizes (concurrent sequences) for batched decode.
+    /// Tokens already in each sequence's context when the timed decode steps start (a served
+    /// 128-in / 128-out request decodes at 128..256).
+    #[arg(long, default_value_t = 32)]
+    pub decode_context: usize,
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
     pub batch_sizes: Vec<usize>,
     /// Repetitions; the median is reported.
@@ -57,16 +61,17 @@ fn prefill_tok_s(m: &LlamaModel, len: usize) -> f64 {
     len as f64 / t.elapsed().as_secs_f64()
 }
 
-/// Decode tokens per second with `n` sequences stepping together after a 32-token prompt each.
-fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize) -> f64 {
+/// Decode tokens per second with `n` sequences stepping together after a `prompt`-token prompt each.
+fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize, prompt: usize) -> f64 {
     let bs = 16;
-    let ctx = 32 + steps + 1;
+    let ctx = prompt + steps + 1;
     let per = ctx.div_ceil(bs);
     let mut kv = m.alloc_kv(per * n, bs);
-    let mut ws = m.new_workspace(32 * n, n);
-    let mut b = ForwardBatch::with_capacity(32 * n, n, per);
+    let mut ws = m.new_workspace(prompt * n, n);
+    let mut b = ForwardBatch::with_capacity(prompt * n, n, per);
     let tables: Vec<Vec<u32>> = (0..n).map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect()).collect();
-    let prompt: Vec<u32> = (0..32).map(|i| (i * 17 % 500 + 50) as u32).collect();
+    let prompt_len = prompt;
+    let prompt: Vec<u32> = (0..prompt_len).map(|i| (i * 17 % 500 + 50) as u32).collect();
     for t in &tables {
         b.push_seq(&prompt, 0, t, LogitsFor::Last);
     }
@@ -79,7 +84,7 @@ fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize) -> f64 {
     for step in 0..steps {
         b.clear(per);
         for t in &tables {
-            b.push_seq(&[(step % 300 + 40) as u32], 32 + step, t, LogitsFor::Last);
+            b.push_seq(&[(step % 300 + 40) as u32], prompt_len + step, t, LogitsFor::Last);
         }
         m.forward_on_device(&b, &mut kv, &mut ws, &NoLora);
         m.sample(&ws, &specs, &mut outs);
@@ -94,12 +99,12 @@ pub fn run(a: BenchGenerateArgs) -> Result<()> {
     let threads = rayon::current_num_threads();
     println!("model {} | dtype {:?} | device {} | {} threads | cpu gemm {}", path.display(), a.dtype, a.device, threads, quiver_kernels::cpu::gemm_kind());
     // Warm-up: fault in weights and grow scratch buffers.
-    decode_tok_s(m, 1, 4);
+    decode_tok_s(m, 1, 4, 32);
     let pp = median((0..a.reps).map(|_| prefill_tok_s(m, a.prompt_len)).collect());
     println!("pp{:<5} {:>10.1} tok/s", a.prompt_len, pp);
     let mut rows = Vec::new();
     for &n in &a.batch_sizes {
-        let tg = median((0..a.reps).map(|_| decode_tok_s(m, n, a.decode_steps)).collect());
+        let tg = median((0..a.reps).map(|_| decode_tok_s(m, n, a.decode_steps, a.decode_context)).collect());
         println!("decode batch {:<4} {:>10.1} tok/s  ({:.1} tok/s per sequence)", n, tg, tg / n as f64);
         rows.push(serde_json::json!({"batch": n, "tok_s": tg}));
     }

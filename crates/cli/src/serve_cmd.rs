@@ -202,8 +202,8 @@ pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
     c.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     if gpu {
         let set = |v: bool| if v { "set" } else { "GPU default" };
-        tracing::info!(
-            "batch limits: --max-running-requests {} ({}), --max-num-batched-tokens {} ({}), --chunked-prefill-size {} ({})",
+        eprintln!(
+            "quiver: batch limits on the GPU: --max-running-requests {} ({}), --max-num-batched-tokens {} ({}), --chunked-prefill-size {} ({})",
             c.max_running_requests,
             set(a.max_running_requests.is_some()),
             c.max_num_batched_tokens,

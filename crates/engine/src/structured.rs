@@ -142,25 +142,30 @@ impl Grammars {
         if let Some(e) = matcher.get_error() {
             return Err(e);
         }
-        Ok(Guide { matcher })
+        Ok(Guide { matcher, ready: None })
     }
 }
 
 /// One sequence's position in its grammar.
 pub struct Guide {
     matcher: Matcher,
+    /// The next token's mask, computed ahead (`prepare`) while the forward pass runs.
+    ready: Option<Result<toktrie::SimpleVob, String>>,
 }
 
 impl Guide {
     /// An independent copy (the samples of `n > 1` each follow the grammar on their own).
     pub fn fork(&self) -> Guide {
-        Guide { matcher: self.matcher.deep_clone() }
+        Guide { matcher: self.matcher.deep_clone(), ready: None }
     }
 
     /// Sets every token the grammar does not allow next to -inf. Err: the grammar is at a
     /// dead end (an error state, or no token can continue).
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        let mask = self.matcher.compute_mask_or_eos().map_err(|e| format!("{e:#}"))?;
+        let mask = match self.ready.take() {
+            Some(m) => m?,
+            None => self.matcher.compute_mask_or_eos().map_err(|e| format!("{e:#}"))?,
+        };
         let n = logits.len();
         // Word-wise over the bitset: runs of allowed tokens cost one test per 32.
         mask.iter_unset_entries(|t| {
@@ -175,6 +180,14 @@ impl Guide {
             Ok(())
         } else {
             Err("no token the grammar allows can be drawn".into())
+        }
+    }
+
+    /// Computes the next token's mask now (it depends on the grammar state only, not on the
+    /// logits), so the engine can do it while the device runs the forward pass.
+    pub fn prepare(&mut self) {
+        if self.ready.is_none() {
+            self.ready = Some(self.matcher.compute_mask_or_eos().map_err(|e| format!("{e:#}")));
         }
     }
 

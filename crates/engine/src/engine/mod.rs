@@ -236,6 +236,7 @@ impl Engine {
             logits_buf: Vec::new(),
             work_buf: Vec::new(),
             to_sample: Vec::new(),
+            guided_buf: Vec::new(),
             specs: Vec::new(),
             sampled: Vec::new(),
             profile: profile::StepProfile::from_env(),
@@ -354,6 +355,8 @@ struct Core {
     work_buf: Vec<f32>,
     /// This step's draws: (sequence, logits row, index into `specs` or `HOST_DRAW`).
     to_sample: Vec<(usize, usize, u32)>,
+    /// This step's constrained draws (see `prepare_masks`).
+    guided_buf: Vec<usize>,
     /// The draws made on the model's device, and their results.
     specs: Vec<SampleSpec>,
     sampled: Vec<SampleOut>,

@@ -1,5 +1,5 @@
 //! Where the engine thread's time goes, step by step (`QUIVER_ENGINE_PROFILE=1`): the phases of
-//! a step and the work between steps, averaged and logged every 256 steps. On a GPU the forward
+//! a step and the work between steps, averaged and printed to stderr every 256 steps. On a GPU the forward
 //! only queues work and the draw waits for it, so `draw` is the device time the host did not
 //! overlap and everything else is host time the device may have idled through.
 
@@ -9,14 +9,16 @@ pub(super) const PHASES: [&str; 8] = ["messages", "schedule", "batch", "forward"
 
 pub(super) struct StepProfile {
     last: Instant,
-    totals: [f64; PHASES.len()],
-    steps: u64,
-    rows: u64,
+    /// The step being timed; added to `decode` or `mixed` when it ends.
+    current: [f64; PHASES.len()],
+    /// Steps of one token per row, and steps with prefill chunks: (phase totals, steps, rows).
+    decode: ([f64; PHASES.len()], u64, u64),
+    mixed: ([f64; PHASES.len()], u64, u64),
 }
 
 impl StepProfile {
     pub(super) fn from_env() -> Option<StepProfile> {
-        std::env::var_os("QUIVER_ENGINE_PROFILE").filter(|v| v != "0").map(|_| StepProfile { last: Instant::now(), totals: [0.0; PHASES.len()], steps: 0, rows: 0 })
+        std::env::var_os("QUIVER_ENGINE_PROFILE").filter(|v| v != "0").map(|_| StepProfile { last: Instant::now(), current: [0.0; PHASES.len()], decode: ([0.0; PHASES.len()], 0, 0), mixed: ([0.0; PHASES.len()], 0, 0) })
     }
 
     /// Idle time (waiting for a request) is no phase's.
@@ -27,21 +29,31 @@ impl StepProfile {
     /// The time since the previous mark goes to `phase`.
     pub(super) fn mark(&mut self, phase: usize) {
         let now = Instant::now();
-        self.totals[phase] += now.duration_since(self.last).as_secs_f64();
+        self.current[phase] += now.duration_since(self.last).as_secs_f64();
         self.last = now;
     }
 
-    pub(super) fn end_step(&mut self, rows: usize) {
-        self.steps += 1;
-        self.rows += rows as u64;
-        if self.steps == 256 {
-            let per = |t: f64| t * 1e3 / self.steps as f64;
-            let total: f64 = self.totals.iter().sum();
-            let parts: Vec<String> = PHASES.iter().zip(&self.totals).map(|(n, &t)| format!("{n} {:.3}", per(t))).collect();
-            tracing::info!("engine profile, ms per step over {} steps of {:.1} rows: {} (total {:.3})", self.steps, self.rows as f64 / self.steps as f64, parts.join(", "), per(total));
-            self.totals = [0.0; PHASES.len()];
-            self.steps = 0;
-            self.rows = 0;
+    /// The step that ran `rows` sequences over `tokens` tokens is over (its `emit` phase ends at
+    /// the next `messages` mark, so it is counted with the following step).
+    pub(super) fn end_step(&mut self, rows: usize, tokens: usize) {
+        let acc = if rows == tokens { &mut self.decode } else { &mut self.mixed };
+        for (t, c) in acc.0.iter_mut().zip(&self.current) {
+            *t += c;
+        }
+        acc.1 += 1;
+        acc.2 += rows as u64;
+        self.current = [0.0; PHASES.len()];
+        if self.decode.1 + self.mixed.1 == 256 {
+            for (what, acc) in [("decode", &mut self.decode), ("with prefill", &mut self.mixed)] {
+                if acc.1 == 0 {
+                    continue;
+                }
+                let per = |t: f64| t * 1e3 / acc.1 as f64;
+                let total: f64 = acc.0.iter().sum();
+                let parts: Vec<String> = PHASES.iter().zip(&acc.0).map(|(n, &t)| format!("{n} {:.3}", per(t))).collect();
+                eprintln!("quiver: engine profile, {what} steps: {} of {:.1} rows, ms per step: {} (total {:.3})", acc.1, acc.2 as f64 / acc.1 as f64, parts.join(", "), per(total));
+                *acc = ([0.0; PHASES.len()], 0, 0);
+            }
         }
     }
 }

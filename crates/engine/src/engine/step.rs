@@ -61,6 +61,7 @@ impl Core {
             let end = s.num_computed + chunk;
             self.scores_prompt_rows(si, s.num_computed, end) || (end == s.tokens.len() && !self.draws_on_device(si))
         });
+        self.prepare_masks();
         self.prof(3);
         if need_host {
             self.model.logits_to_host(&mut self.ws, self.batch.logits_rows.len());
@@ -126,12 +127,35 @@ impl Core {
         }
         self.logits_buf = logits;
         if let Some(p) = self.profile.as_mut() {
-            p.end_step(sched.len());
+            p.end_step(sched.len(), self.batch.tokens.len());
         }
         self.to_sample = to_sample;
         self.sched = sched;
         self.sched.clear();
         true
+    }
+
+    /// Grammar masks of this step's constrained draws, computed in parallel while the device
+    /// runs the forward pass (a mask depends on the grammar's state, not on the logits).
+    fn prepare_masks(&mut self) {
+        use rayon::prelude::*;
+        let mut guided = std::mem::take(&mut self.guided_buf);
+        guided.clear();
+        for &(si, chunk) in &self.sched {
+            let s = self.seq(si);
+            if s.guide.is_some() && s.num_computed + chunk == s.tokens.len() {
+                guided.push(si);
+            }
+        }
+        if !guided.is_empty() {
+            guided.sort_unstable();
+            self.seqs.par_iter_mut().enumerate().filter(|(i, _)| guided.binary_search(i).is_ok()).for_each(|(_, s)| {
+                if let Some(g) = s.as_mut().and_then(|s| s.guide.as_mut()) {
+                    g.prepare();
+                }
+            });
+        }
+        self.guided_buf = guided;
     }
 
     /// Whether sequence `si`'s next draw can happen on the model's device: nothing about it
