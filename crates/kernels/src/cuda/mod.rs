@@ -21,14 +21,14 @@
 
 mod blas;
 
-use crate::{AttnBatch, DType, Device, DeviceKind, KvLayout, KvStorage, RopeTable, Tensor, Weight, WeightData};
+use crate::{AttnBatch, DType, Device, DeviceKind, ExpertWeights, KvLayout, KvStorage, MoeRouting, QkNorm, RopeTable, RouterSpec, Tensor, Weight, WeightData};
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{result, sys, CudaContext, CudaModule};
 use std::ffi::c_void;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-const KERNELS_SRC: &str = include_str!("kernels.cu");
+const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("moe.cu"));
 
 /// Bumped by every device allocation: a recorded graph bakes in buffer addresses, so any
 /// allocation (a grown workspace, a new KV store) retires every recording.
@@ -304,6 +304,8 @@ pub struct CudaDevice {
     /// handle is destroyed first); otherwise cuBLAS manages its workspace itself.
     _blas_workspace: Option<DevBuf>,
     k: Kernels,
+    /// The MoE and q/k-norm kernels (`moe.cu`).
+    moe_k: moe::MoeKernels,
     _module: Arc<CudaModule>,
     state: Mutex<State>,
     name: String,
@@ -354,6 +356,8 @@ macro_rules! launch {
         }
     }};
 }
+
+pub mod moe;
 
 /// Threads for a one-block-per-row kernel walking `items` per row: one item each (as a whole
 /// warp count), at most 1024. A decode row is then one load per thread instead of a serial chain.
@@ -469,6 +473,7 @@ impl CudaDevice {
             gemv1_rope_bf16: f("gemv1_rope_bf16")?,
             gemv_bf16_any_k: f("gemv_bf16_1")?,
         };
+        let moe_k = moe::MoeKernels::load(&f)?;
         for (i, &pf) in k.prefill_attention.iter().enumerate() {
             let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;
             // SAFETY: a function of the module just loaded; the value is within the H100/H200's
@@ -514,6 +519,7 @@ impl CudaDevice {
             blas,
             _blas_workspace: blas_workspace,
             k,
+            moe_k,
             _module: module,
             state: Mutex::new(state),
             name,
@@ -1184,6 +1190,38 @@ impl Device for CudaDevice {
         let rp = self.meta_ptr(&mut st, rows);
         launch!(self, self.k.gather_rows, (rows.len() as u32, 1, 1), (256, 1, 1); buf(x), rp, buf(out), dim as i32);
         self.mark("gather_rows");
+    }
+
+    fn qk_norm(&self, qkv: &mut Tensor, rows: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize, norm: &QkNorm) {
+        self.moe_qk_norm(qkv, rows, n_heads, n_kv_heads, head_dim, norm)
+    }
+
+    fn load_experts(&self, rows: usize, cols: usize, experts: Vec<Weight>) -> ExpertWeights {
+        self.moe_load_experts(rows, cols, experts)
+    }
+
+    fn alloc_routing(&self, max_rows: usize, spec: RouterSpec) -> MoeRouting {
+        self.moe_alloc_routing(max_rows, spec)
+    }
+
+    fn moe_route(&self, logits: &Tensor, m: usize, route: &mut MoeRouting) {
+        self.moe_route_rows(logits, m, route)
+    }
+
+    fn moe_gather(&self, x: &Tensor, dim: usize, route: &MoeRouting, out: &mut Tensor) {
+        self.moe_gather_rows(x, dim, route, out)
+    }
+
+    fn moe_matmul(&self, x: &Tensor, route: &MoeRouting, w: &ExpertWeights, y: &mut Tensor) {
+        self.moe_grouped_matmul(x, route, w, y)
+    }
+
+    fn moe_combine(&self, y: &Tensor, route: &MoeRouting, dim: usize, out: &mut Tensor) {
+        self.moe_combine_rows(y, route, dim, out)
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut Tensor, x: &Tensor, gate: &Tensor, rows: usize, dim: usize) {
+        self.moe_add_sigmoid_gated(out, x, gate, rows, dim)
     }
 }
 
