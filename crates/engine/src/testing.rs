@@ -6,6 +6,7 @@ use quiver_kernels::{open_device, DType, DeviceKind, Weight};
 use quiver_lora::{LoraModelDims, LoraModule};
 use quiver_model::config::{Arch, ModelConfig};
 use quiver_model::llama::{LayerWeights, LlamaModel};
+use quiver_model::moe::Mlp;
 use quiver_model::tokenizer::Tokenizer;
 use quiver_model::LoadedModel;
 use rand::rngs::StdRng;
@@ -86,6 +87,9 @@ pub fn tiny_model(tokenizer_gguf: &Path, seed: u64) -> Result<LoadedModel> {
         max_position_embeddings: 4096,
         tie_word_embeddings: true,
         qkv_bias: false,
+        qk_norm: None,
+        moe: None,
+        has_lm_head: true,
     };
     let device = open_device(DeviceKind::Cpu)?;
     let mut rng = StdRng::seed_from_u64(seed);
@@ -97,10 +101,10 @@ pub fn tiny_model(tokenizer_gguf: &Path, seed: u64) -> Result<LoadedModel> {
             attn_norm: device.tensor_from(&vec![1.0; h]),
             qkv: w(q + 2 * kv, h, 1.0 / (h as f32).sqrt()),
             qkv_bias: None,
+            qk_norm: None,
             o: w(h, q, 1.0 / (q as f32).sqrt()),
             mlp_norm: device.tensor_from(&vec![1.0; h]),
-            gate_up: w(2 * i, h, 1.0 / (h as f32).sqrt()),
-            down: w(h, i, 1.0 / (i as f32).sqrt()),
+            mlp: Mlp::Dense { gate_up: w(2 * i, h, 1.0 / (h as f32).sqrt()), down: w(h, i, 1.0 / (i as f32).sqrt()) },
         });
     }
     let embed = w(vocab, h, 1.0);

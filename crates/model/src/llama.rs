@@ -1,13 +1,16 @@
-//! The Llama-family forward pass (Llama 2/3, SmolLM2, Qwen2, Mistral), batched over sequences of
-//! different lengths: one call runs prefill chunks and decode rows together, reading and writing
-//! the paged KV cache through per-sequence block tables.
+//! The decoder forward pass of every family Quiver runs (Llama 2/3, SmolLM2, Qwen2, Mistral,
+//! Qwen3, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), batched over
+//! sequences of different lengths: one call runs prefill chunks and decode rows together,
+//! reading and writing the paged KV cache through per-sequence block tables.
 //!
-//! q/k/v and gate/up are fused into single weights at load, so each layer runs four GEMMs; the
-//! LoRA hook sees the same four sites (qkv and gate_up as multi-slice expands).
+//! q/k/v and gate/up are fused into single weights at load, so a dense layer runs four GEMMs;
+//! the LoRA hook sees the same four sites (qkv and gate_up as multi-slice expands). An MoE
+//! layer's MLP is `moe::forward`.
 
 use crate::batch::ForwardBatch;
 use crate::config::ModelConfig;
-use quiver_kernels::{AttnBatch, Device, KvLayout, KvStorage, RopeTable, Tensor, Weight};
+use crate::moe::{self, Mlp, MoeWorkspace};
+use quiver_kernels::{AttnBatch, Device, KvLayout, KvStorage, QkNorm, RopeTable, Tensor, Weight};
 use quiver_lora::{LinearSite, LoraHook, LoraModelDims};
 use std::sync::Arc;
 
@@ -16,11 +19,11 @@ pub struct LayerWeights {
     /// `[q_out + 2·kv_out, hidden]`
     pub qkv: Weight,
     pub qkv_bias: Option<Tensor>,
+    /// RMSNorm of q and k before RoPE (Qwen3, OLMoE).
+    pub qk_norm: Option<QkNorm>,
     pub o: Weight,
     pub mlp_norm: Tensor,
-    /// `[2·intermediate, hidden]`, gate rows first.
-    pub gate_up: Weight,
-    pub down: Weight,
+    pub mlp: Mlp,
 }
 
 pub struct LlamaModel {
@@ -49,8 +52,21 @@ pub struct Workspace {
     last: Tensor,
     last_n: Tensor,
     logits: Tensor,
+    /// Buffers of the expert MLPs (MoE models only).
+    moe: Option<MoeWorkspace>,
     /// Host copy of the logits of the requested rows, `[rows, vocab]`.
     pub host_logits: Vec<f32>,
+    /// Host copy of the final-normed hidden states of the requested rows, `[rows, hidden]`
+    /// ([`LlamaModel::forward_hidden`]).
+    pub host_hidden: Vec<f32>,
+}
+
+/// What a forward pass returns for its `logits_rows`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Head {
+    Logits,
+    /// The final-normed hidden states (what embedding models pool).
+    Hidden,
 }
 
 impl LlamaModel {
@@ -101,7 +117,9 @@ impl LlamaModel {
             last: self.device.alloc(0),
             last_n: self.device.alloc(0),
             logits: self.device.alloc(0),
+            moe: None,
             host_logits: Vec::new(),
+            host_hidden: Vec::new(),
         };
         self.ensure_workspace(&mut ws, max_tokens, max_logit_rows);
         ws
@@ -120,6 +138,7 @@ impl LlamaModel {
             ws.delta = d.alloc(t * c.hidden_size);
             ws.gate_up = d.alloc(t * 2 * c.intermediate_size);
             ws.act = d.alloc(t * c.intermediate_size);
+            ws.moe = c.moe.as_ref().map(|mc| MoeWorkspace::new(&**d, mc, c.hidden_size, t));
             ws.max_tokens = t;
         }
         if logit_rows > ws.max_logit_rows {
@@ -128,6 +147,7 @@ impl LlamaModel {
             ws.last_n = d.alloc(r * c.hidden_size);
             ws.logits = d.alloc(r * c.vocab_size);
             ws.host_logits = vec![0.0; r * c.vocab_size];
+            ws.host_hidden = vec![0.0; r * c.hidden_size];
             ws.max_logit_rows = r;
         }
     }
@@ -135,6 +155,17 @@ impl LlamaModel {
     /// Runs one batched step. Returns the logits of `batch.logits_rows`, `[rows, vocab]`, in
     /// `ws.host_logits`.
     pub fn forward<'w>(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &'w mut Workspace, lora: &dyn LoraHook) -> &'w [f32] {
+        assert!(self.config.has_lm_head, "forward for logits on a model without an LM head (an embedding model)");
+        self.run(batch, kv, ws, lora, Head::Logits)
+    }
+
+    /// Runs one batched step like [`Self::forward`] but returns the final-normed hidden states of
+    /// `batch.logits_rows`, `[rows, hidden]` (in `ws.host_hidden`), skipping the LM head.
+    pub fn forward_hidden<'w>(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &'w mut Workspace, lora: &dyn LoraHook) -> &'w [f32] {
+        self.run(batch, kv, ws, lora, Head::Hidden)
+    }
+
+    fn run<'w>(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &'w mut Workspace, lora: &dyn LoraHook, head_kind: Head) -> &'w [f32] {
         let c = &self.config;
         let d = &*self.device;
         let m = batch.tokens.len();
@@ -168,9 +199,14 @@ impl LlamaModel {
                 }
                 // A LoRA delta lands between a projection and what follows it; without one the
                 // device may fuse the two.
-                if lora_on {
+                if lora_on || l.qk_norm.is_some() {
                     d.matmul(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), &mut ws.qkv);
-                    lora.linear(d, li, LinearSite::Qkv, &ws.xn, m, &mut ws.qkv);
+                    if lora_on {
+                        lora.linear(d, li, LinearSite::Qkv, &ws.xn, m, &mut ws.qkv);
+                    }
+                    if let Some(norm) = &l.qk_norm {
+                        d.qk_norm(&mut ws.qkv, m, c.num_heads, c.num_kv_heads, c.head_dim, norm);
+                    }
                     d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
                 } else {
                     d.matmul_rope_qk(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), &mut ws.qkv, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
@@ -181,14 +217,23 @@ impl LlamaModel {
                     lora.linear(d, li, LinearSite::O, &ws.attn, m, &mut ws.delta);
                 }
                 d.add_rms_norm(&mut ws.x, &ws.delta, &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
+                let (gate_up, down) = match &l.mlp {
+                    Mlp::Dense { gate_up, down } => (gate_up, down),
+                    Mlp::Moe(w) => {
+                        let mc = c.moe.as_ref().expect("an MoE layer in a model with an MoE config");
+                        let mws = ws.moe.as_mut().expect("MoE buffers in the workspace of an MoE model");
+                        moe::forward(d, w, mc, &ws.xn, m, h, mws, &mut ws.delta);
+                        continue;
+                    }
+                };
                 if lora_on {
-                    d.matmul(&ws.xn, m, &l.gate_up, None, &mut ws.gate_up);
+                    d.matmul(&ws.xn, m, gate_up, None, &mut ws.gate_up);
                     lora.linear(d, li, LinearSite::GateUp, &ws.xn, m, &mut ws.gate_up);
                     d.silu_mul(&ws.gate_up, m, inter, &mut ws.act);
                 } else {
-                    d.matmul_silu_mul(&ws.xn, m, &l.gate_up, &mut ws.gate_up, &mut ws.act);
+                    d.matmul_silu_mul(&ws.xn, m, gate_up, &mut ws.gate_up, &mut ws.act);
                 }
-                d.matmul(&ws.act, m, &l.down, None, &mut ws.delta);
+                d.matmul(&ws.act, m, down, None, &mut ws.delta);
                 if lora_on {
                     lora.linear(d, li, LinearSite::Down, &ws.act, m, &mut ws.delta);
                 }
@@ -200,6 +245,9 @@ impl LlamaModel {
             // Only the rows that need logits go through the final norm and the LM head.
             d.gather_rows(&ws.x, &batch.logits_rows, h, &mut ws.last);
             d.rms_norm(&ws.last, &self.final_norm, c.rms_norm_eps, nl, h, &mut ws.last_n);
+            if head_kind == Head::Hidden {
+                return;
+            }
             let head = self.lm_head.as_ref().unwrap_or(&self.embed);
             d.matmul(&ws.last_n, nl, head, None, &mut ws.logits);
             if lora_on {
@@ -208,6 +256,11 @@ impl LlamaModel {
         });
         if nl == 0 {
             return &ws.host_logits[..0];
+        }
+        if head_kind == Head::Hidden {
+            let n = nl * h;
+            d.to_host(&ws.last_n, n, &mut ws.host_hidden[..n]);
+            return &ws.host_hidden[..n];
         }
         let n = nl * c.vocab_size;
         d.to_host(&ws.logits, n, &mut ws.host_logits[..n]);

@@ -40,7 +40,7 @@ use crate::text::{Detok, StopScan};
 use quiver_kernels::KvStorage;
 use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora};
 use quiver_model::tokenizer::Tokenizer;
-use quiver_model::{ForwardBatch, LlamaModel, LoadedModel, LogitsFor, Workspace};
+use quiver_model::{ForwardBatch, LlamaModel, LoadedModel, LogitsFor, ModelConfig, Workspace};
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -176,8 +176,8 @@ impl Engine {
         // Loader thread: reads and validates adapters off the engine thread.
         let (ltx, lrx) = mpsc::channel::<LoadJob>();
         let etx = tx.clone();
-        let (max_rank, modules) = (cfg.max_lora_rank, cfg.lora_target_modules.clone());
-        std::thread::Builder::new().name("quiver-lora-loader".into()).spawn(move || loader_loop(lrx, etx, dims, max_rank, modules))?;
+        let (max_rank, modules, mcfg) = (cfg.max_lora_rank, cfg.lora_target_modules.clone(), model.config.clone());
+        std::thread::Builder::new().name("quiver-lora-loader".into()).spawn(move || loader_loop(lrx, etx, dims, max_rank, modules, mcfg))?;
         let stride = max_model_len.div_ceil(bs);
         let core = Core {
             ws: model.new_workspace(cfg.max_num_batched_tokens, cfg.max_running_requests),
