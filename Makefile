@@ -43,7 +43,8 @@ test-data: model venv
 clean-refs:
 	rm -rf $(CACHE)/ref
 
-# HTTP server end to end: real `openai` client, Prometheus parser, shutdown; starts and kills its
-# own servers on ephemeral ports.
-test-server: model venv build
+# HTTP server end to end: real `openai` client, Prometheus parser, shutdown, embeddings against
+# the transformers references (test-data); starts and kills its own servers on ephemeral ports.
+test-server: test-data build
 	$(CACHE)/venv/bin/python tests/server/test_openai_api.py --quiver $(QUIVER)
+	$(CACHE)/venv/bin/python tests/server/test_embeddings.py --quiver $(QUIVER)

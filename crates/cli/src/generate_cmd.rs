@@ -88,7 +88,7 @@ fn setup_lora(a: &GenerateArgs, model: &quiver_model::ModelConfig, dims: quiver_
     let mut key = None;
     for spec in &a.loras {
         let (n, p) = spec.split_once('=').with_context(|| format!("--lora `{spec}`: expected NAME=PATH"))?;
-        quiver_model::moe::check_adapter(model, &quiver_lora::LoraAdapter::load(n, std::path::Path::new(p), &dims)?)?;
+        quiver_model::check_adapter(model, &quiver_lora::LoraAdapter::load(n, std::path::Path::new(p), &dims)?)?;
         let k = mgr.load_adapter(n, p).with_context(|| format!("loading adapter `{n}` from {p}"))?;
         if n == name {
             key = Some(k);

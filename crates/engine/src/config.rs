@@ -1,6 +1,17 @@
 //! Engine settings (the serving CLI flags).
 
 use quiver_lora::{EvictionPolicy, LoraModule};
+use quiver_model::EmbeddingSpec;
+
+/// What the engine serves.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Task {
+    /// Text generation (`submit`).
+    #[default]
+    Generate,
+    /// Embeddings pooled as the spec says (`submit_embed`): every step returns hidden states.
+    Embed(EmbeddingSpec),
+}
 
 /// Order in which waiting requests are considered for admission.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -58,6 +69,7 @@ pub struct EngineConfig {
     /// strictly first-come-first-served until it is admitted (no one may overtake it, e.g. by
     /// having its adapter already resident).
     pub aging_steps: u64,
+    pub task: Task,
 }
 
 impl Default for EngineConfig {
@@ -80,6 +92,7 @@ impl Default for EngineConfig {
             disable_prefix_cache: false,
             max_model_len: None,
             aging_steps: 32,
+            task: Task::Generate,
         }
     }
 }

@@ -67,16 +67,25 @@ enum TensorSlot {
     B(Option<usize>, LoraModule),
 }
 
-fn parse_tensor_name(name: &str) -> Option<TensorSlot> {
+/// The slot a tensor name points at, and whether the decoder's modules sit under `model.`
+/// (`…ForCausalLM`) or at the top (a bare decoder: PEFT on an embedding model's `Qwen3Model`).
+fn parse_tensor_name(name: &str) -> Option<(TensorSlot, Option<bool>)> {
     let n = name.strip_prefix("base_model.model.").unwrap_or(name);
     match n {
-        "model.embed_tokens.lora_embedding_A" => return Some(TensorSlot::A(None, LoraModule::EmbedTokens)),
-        "model.embed_tokens.lora_embedding_B" => return Some(TensorSlot::B(None, LoraModule::EmbedTokens)),
-        "lm_head.lora_A.weight" => return Some(TensorSlot::A(None, LoraModule::LmHead)),
-        "lm_head.lora_B.weight" => return Some(TensorSlot::B(None, LoraModule::LmHead)),
+        "lm_head.lora_A.weight" => return Some((TensorSlot::A(None, LoraModule::LmHead), None)),
+        "lm_head.lora_B.weight" => return Some((TensorSlot::B(None, LoraModule::LmHead), None)),
         _ => {}
     }
-    let rest = n.strip_prefix("model.layers.")?;
+    let (n, under_model) = match n.strip_prefix("model.") {
+        Some(rest) => (rest, true),
+        None => (n, false),
+    };
+    match n {
+        "embed_tokens.lora_embedding_A" => return Some((TensorSlot::A(None, LoraModule::EmbedTokens), Some(under_model))),
+        "embed_tokens.lora_embedding_B" => return Some((TensorSlot::B(None, LoraModule::EmbedTokens), Some(under_model))),
+        _ => {}
+    }
+    let rest = n.strip_prefix("layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let (block, rest) = rest.split_once('.')?;
@@ -91,8 +100,8 @@ fn parse_tensor_name(name: &str) -> Option<TensorSlot> {
         return None;
     }
     match ab {
-        "lora_A.weight" => Some(TensorSlot::A(Some(layer), m)),
-        "lora_B.weight" => Some(TensorSlot::B(Some(layer), m)),
+        "lora_A.weight" => Some((TensorSlot::A(Some(layer), m), Some(under_model))),
+        "lora_B.weight" => Some((TensorSlot::B(Some(layer), m), Some(under_model))),
         _ => None,
     }
 }
@@ -155,8 +164,15 @@ impl LoraAdapter {
         let terr = |tensor: &str, reason: String| LoraError::Tensor { adapter: name.into(), file: WEIGHTS_FILE.into(), tensor: tensor.into(), reason };
 
         let mut found: HashMap<TensorSlot, (String, Vec<f32>, usize, usize)> = HashMap::new();
+        // `model.` when the decoder's modules sit under it (`None` until a tensor says).
+        let mut under_model: Option<bool> = None;
         for (tname, view) in st.tensors() {
-            let slot = parse_tensor_name(&tname).ok_or_else(|| terr(&tname, "unknown tensor name (expected PEFT LoRA names for q/k/v/o/gate/up/down_proj, embed_tokens or lm_head)".into()))?;
+            let (slot, under) = parse_tensor_name(&tname).ok_or_else(|| terr(&tname, "unknown tensor name (expected PEFT LoRA names for q/k/v/o/gate/up/down_proj, embed_tokens or lm_head)".into()))?;
+            match (under_model, under) {
+                (Some(a), Some(b)) if a != b => return Err(terr(&tname, "mixes module paths under `model.` and at the top level in one adapter".into())),
+                (None, Some(b)) => under_model = Some(b),
+                _ => {}
+            }
             let (layer, module) = match slot {
                 TensorSlot::A(l, m) | TensorSlot::B(l, m) => (l, m),
             };
@@ -165,7 +181,8 @@ impl LoraAdapter {
                     return Err(terr(&tname, format!("layer {l} does not exist (the model has {} layers)", dims.num_layers)));
                 }
             }
-            let path = module.path(layer.unwrap_or(0));
+            let prefix = if under.unwrap_or(true) { "model." } else { "" };
+            let path = module.path_under(layer.unwrap_or(0), prefix);
             if !config.targets_path(&path) {
                 return Err(terr(&tname, format!("module `{path}` is not targeted by adapter_config.json (target_modules / exclude_modules / layers_to_transform)")));
             }
@@ -187,8 +204,9 @@ impl LoraAdapter {
         }
 
         // Shape and presence checks per targeted module; the error names the PEFT tensor.
+        let prefix = if under_model.unwrap_or(true) { "model." } else { "" };
         let mut take = |layer: Option<usize>, m: LoraModule| -> Result<Option<ModuleWeights>> {
-            let path = m.path(layer.unwrap_or(0));
+            let path = m.path_under(layer.unwrap_or(0), prefix);
             let a = found.remove(&TensorSlot::A(layer, m));
             let b = found.remove(&TensorSlot::B(layer, m));
             let prefix = "base_model.model.";

@@ -2,7 +2,8 @@
 //!
 //! Module paths are the names PEFT matches against inside `LlamaForCausalLM`:
 //! `model.layers.{N}.self_attn.{q,k,v,o}_proj`, `model.layers.{N}.mlp.{gate,up,down}_proj`,
-//! `model.embed_tokens`, `lm_head`. Matching follows `peft/tuners/tuners_utils.py`
+//! `model.embed_tokens`, `lm_head` (inside a bare decoder such as an embedding model's
+//! `Qwen3Model` the same without `model.`: see [`LoraModule::path_under`]). Matching follows `peft/tuners/tuners_utils.py`
 //! (`check_target_module_exists`) and `peft/utils/other.py` (`get_pattern_key`):
 //! - `target_modules` list: exact name or suffix `.{t}`; string: `re.fullmatch` on the path;
 //!   `"all-linear"`: the seven projections (never `lm_head`); absent: PEFT's Llama default
@@ -102,14 +103,20 @@ impl LoraModule {
 
     /// The path PEFT matches patterns against (`layer` is ignored for embed/lm_head).
     pub fn path(self, layer: usize) -> String {
+        self.path_under(layer, "model.")
+    }
+
+    /// The path with the decoder's modules under `prefix`: `model.` in a `…ForCausalLM`, empty
+    /// in a bare decoder (an embedding model's `Qwen3Model`), which is what PEFT matched against.
+    pub fn path_under(self, layer: usize, prefix: &str) -> String {
         match self {
             LoraModule::QProj | LoraModule::KProj | LoraModule::VProj | LoraModule::OProj => {
-                format!("model.layers.{layer}.self_attn.{}", self.name())
+                format!("{prefix}layers.{layer}.self_attn.{}", self.name())
             }
             LoraModule::GateProj | LoraModule::UpProj | LoraModule::DownProj => {
-                format!("model.layers.{layer}.mlp.{}", self.name())
+                format!("{prefix}layers.{layer}.mlp.{}", self.name())
             }
-            LoraModule::EmbedTokens => "model.embed_tokens".to_string(),
+            LoraModule::EmbedTokens => format!("{prefix}embed_tokens"),
             LoraModule::LmHead => "lm_head".to_string(),
         }
     }

@@ -6,7 +6,9 @@
 
 pub mod batch;
 pub mod chat;
+pub mod compat;
 pub mod config;
+pub mod embedding;
 pub mod formats;
 pub mod llama;
 pub mod loader;
@@ -14,6 +16,8 @@ pub mod moe;
 pub mod tokenizer;
 
 pub use batch::{ForwardBatch, LogitsFor};
+pub use compat::check_adapter;
 pub use config::{Arch, ModelConfig, MoeConfig, QkNormKind};
+pub use embedding::{EmbeddingSpec, PoolState, Pooling};
 pub use llama::{LlamaModel, Workspace};
 pub use loader::{load_model, LoadedModel};

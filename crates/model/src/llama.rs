@@ -41,6 +41,8 @@ pub struct LlamaModel {
 /// shrink) when a larger batch arrives, so a steady-state step allocates nothing.
 pub struct Workspace {
     max_tokens: usize,
+    /// Rows of final-normed hidden states, and of logits, the buffers hold.
+    max_out_rows: usize,
     max_logit_rows: usize,
     x: Tensor,
     xn: Tensor,
@@ -104,8 +106,19 @@ impl LlamaModel {
     }
 
     pub fn new_workspace(&self, max_tokens: usize, max_logit_rows: usize) -> Workspace {
+        self.workspace_for(max_tokens, max_logit_rows, Head::Logits)
+    }
+
+    /// A workspace for [`Self::forward_hidden`] only: no logits buffers (an embedding model's
+    /// steps return hidden states of many rows, whose logits would be vocab-wide).
+    pub fn new_hidden_workspace(&self, max_tokens: usize, max_rows: usize) -> Workspace {
+        self.workspace_for(max_tokens, max_rows, Head::Hidden)
+    }
+
+    fn workspace_for(&self, max_tokens: usize, max_rows: usize, head: Head) -> Workspace {
         let mut ws = Workspace {
             max_tokens: 0,
+            max_out_rows: 0,
             max_logit_rows: 0,
             x: self.device.alloc(0),
             xn: self.device.alloc(0),
@@ -121,11 +134,11 @@ impl LlamaModel {
             host_logits: Vec::new(),
             host_hidden: Vec::new(),
         };
-        self.ensure_workspace(&mut ws, max_tokens, max_logit_rows);
+        self.ensure_workspace(&mut ws, max_tokens, max_rows, head);
         ws
     }
 
-    fn ensure_workspace(&self, ws: &mut Workspace, tokens: usize, logit_rows: usize) {
+    fn ensure_workspace(&self, ws: &mut Workspace, tokens: usize, out_rows: usize, head: Head) {
         let c = &self.config;
         let d = &self.device;
         if tokens > ws.max_tokens {
@@ -141,13 +154,17 @@ impl LlamaModel {
             ws.moe = c.moe.as_ref().map(|mc| MoeWorkspace::new(&**d, mc, c.hidden_size, t));
             ws.max_tokens = t;
         }
-        if logit_rows > ws.max_logit_rows {
-            let r = logit_rows.next_power_of_two().max(4);
+        if out_rows > ws.max_out_rows {
+            let r = out_rows.next_power_of_two().max(4);
             ws.last = d.alloc(r * c.hidden_size);
             ws.last_n = d.alloc(r * c.hidden_size);
+            ws.host_hidden = vec![0.0; r * c.hidden_size];
+            ws.max_out_rows = r;
+        }
+        if head == Head::Logits && out_rows > ws.max_logit_rows {
+            let r = out_rows.next_power_of_two().max(4);
             ws.logits = d.alloc(r * c.vocab_size);
             ws.host_logits = vec![0.0; r * c.vocab_size];
-            ws.host_hidden = vec![0.0; r * c.hidden_size];
             ws.max_logit_rows = r;
         }
     }
@@ -170,7 +187,7 @@ impl LlamaModel {
         let d = &*self.device;
         let m = batch.tokens.len();
         let nl = batch.logits_rows.len();
-        self.ensure_workspace(ws, m, nl);
+        self.ensure_workspace(ws, m, nl, head_kind);
         let (h, inter) = (c.hidden_size, c.intermediate_size);
         let lora_on = lora.is_active();
         let attn_batch = AttnBatch {

@@ -93,23 +93,3 @@ pub(crate) fn forward(d: &dyn Device, w: &MoeWeights, c: &MoeConfig, xn: &Tensor
         d.add_sigmoid_gated(out, &ws.sout, &ws.sgate, m, hidden);
     }
 }
-
-/// Refuses an adapter with LoRA on dense MLP projections (`model.layers.{l}.mlp.gate_proj`,
-/// …) of a layer whose MLP is experts: the module does not exist there, so PEFT could not have
-/// trained it for this model. (Adapters on experts are refused by name when read: their
-/// tensors are not among the modules an adapter may carry.)
-pub fn check_adapter(config: &crate::ModelConfig, adapter: &quiver_lora::LoraAdapter) -> Result<(), quiver_lora::LoraError> {
-    use quiver_lora::LoraModule::{DownProj, GateProj, UpProj};
-    for l in (0..config.num_layers).filter(|&l| config.is_moe_layer(l)) {
-        for m in [GateProj, UpProj, DownProj] {
-            if adapter.module(l, m).is_some() {
-                return Err(quiver_lora::LoraError::Incompatible {
-                    adapter: adapter.name.clone(),
-                    module: m.path(l),
-                    reason: format!("layer {l} of this {:?} model is a mixture-of-experts layer: it has no dense `{}`", config.arch, m.name()),
-                });
-            }
-        }
-    }
-    Ok(())
-}

@@ -4,6 +4,7 @@
 
 pub mod adapters;
 pub mod backend;
+pub mod embeddings;
 pub mod engine_backend;
 pub mod error;
 pub mod metrics;

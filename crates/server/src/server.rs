@@ -92,10 +92,24 @@ impl AppState {
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)
     }
+    /// Counts a request in flight for the shutdown drain until the guard drops.
+    pub(crate) fn in_flight_guard(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        InFlight(self.clone())
+    }
     fn new_id(&self, prefix: &str) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         format!("{prefix}-{:x}{:08x}", t & 0xffff_ffff_ffff, n)
+    }
+}
+
+/// See [`AppState::in_flight_guard`].
+pub(crate) struct InFlight(Arc<AppState>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -109,6 +123,7 @@ pub fn router(st: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(list_models))
+        .route("/v1/embeddings", post(crate::embeddings::embeddings))
         .route("/v1/load_lora_adapter", post(v1_load))
         .route("/v1/unload_lora_adapter", post(v1_unload))
         .route("/v1/lora_adapters", get(list_adapters))
@@ -157,7 +172,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn body_bytes(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+pub(crate) fn body_bytes(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     b.map_err(|e| ApiError::new(e.status(), format!("Could not read the request body: {}", e.body_text())))
 }
 
@@ -165,7 +180,7 @@ fn body_bytes(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
 // Adapter resolution
 
 /// Which adapter (if any) a request runs on; loads it from `--lora-dir` on demand.
-async fn resolve_adapter(st: &Arc<AppState>, model: Option<&str>, lora_path: Option<&str>) -> Result<Option<String>, ApiError> {
+pub(crate) async fn resolve_adapter(st: &Arc<AppState>, model: Option<&str>, lora_path: Option<&str>) -> Result<Option<String>, ApiError> {
     let shown = model.unwrap_or_default();
     let name = match request::resolve_model_ref(model, lora_path, &st.cfg.served_model_names) {
         ModelRef::Base => return Ok(None),

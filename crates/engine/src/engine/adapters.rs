@@ -7,7 +7,7 @@ pub(super) fn loader_loop(rx: Receiver<LoadJob>, engine: Sender<Msg>, dims: Lora
     while let Ok(job) = rx.recv() {
         let result = LoraAdapter::load(&job.name, &job.path, &dims)
             .and_then(|a| a.check_compatible(max_rank, &modules).map(|_| a))
-            .and_then(|a| quiver_model::moe::check_adapter(&model, &a).map(|_| a));
+            .and_then(|a| quiver_model::check_adapter(&model, &a).map(|_| a));
         if engine.send(Msg::AdapterLoaded { job, result }).is_err() {
             return;
         }

@@ -33,7 +33,7 @@
 //! exactly where it was.
 
 use crate::api::*;
-use crate::config::{mem_available, EngineConfig, SchedulePolicy};
+use crate::config::{mem_available, EngineConfig, SchedulePolicy, Task};
 use crate::kv::{BlockId, BlockPool, Parent};
 use crate::sampling::{self, Sampler, SamplingParams};
 use crate::text::{Detok, StopScan};
@@ -51,12 +51,14 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::oneshot;
 
 mod adapters;
+mod embed;
 mod handle;
 mod requests;
 mod schedule;
 mod step;
 
 use adapters::loader_loop;
+use embed::{EmbedJob, EmbedState};
 
 pub(crate) enum Msg {
     Submit(Box<NewRequest>),
@@ -72,6 +74,8 @@ pub(crate) struct NewRequest {
     req: GenerateRequest,
     tx: UnboundedSender<StreamEvent>,
     cancel: Arc<AtomicBool>,
+    /// Set for an embedding request.
+    embed: Option<EmbedJob>,
 }
 
 pub(crate) struct LoadJob {
@@ -99,6 +103,8 @@ struct Shared {
     next_id: AtomicU64,
     adapters: Mutex<HashMap<String, AdapterEntry>>,
     stats: Mutex<EngineStats>,
+    /// The pooling, when the engine serves embeddings.
+    embedding: Option<quiver_model::EmbeddingSpec>,
 }
 
 struct Inner {
@@ -128,9 +134,15 @@ impl Engine {
     /// loader thread.
     pub fn start(model: LoadedModel, cfg: EngineConfig) -> anyhow::Result<EngineHandle> {
         cfg.validate().map_err(anyhow::Error::msg)?;
-        let LoadedModel { model, tokenizer, .. } = model;
+        let LoadedModel { model, tokenizer, path } = model;
         let tokenizer = Arc::new(tokenizer);
         let c = &model.config;
+        let embedding = match &cfg.task {
+            Task::Embed(spec) => Some(spec.clone()),
+            Task::Generate if !c.has_lm_head => anyhow::bail!("{}: the model has no LM head (a bare `{:?}` decoder, an embedding model): serve it with --task embed", path.display(), c.arch),
+            Task::Generate => None,
+        };
+        let mean_pooling = embedding.as_ref().is_some_and(|e| e.pooling == quiver_model::Pooling::Mean);
         let max_model_len = cfg.max_model_len.unwrap_or(c.max_position_embeddings).min(model.rope.max_pos).max(1);
         let bs = cfg.block_size;
         let bpb = model.kv_bytes_per_block(bs);
@@ -171,6 +183,7 @@ impl Engine {
             adapters: Mutex::new(HashMap::new()),
             stats: Mutex::new(EngineStats { kv_blocks_total: num_blocks, kv_blocks_free: num_blocks, block_size: bs, max_loras: cfg.max_loras_per_batch, ..Default::default() }),
             cfg: cfg.clone(),
+            embedding: embedding.clone(),
         });
         let (tx, rx) = mpsc::channel::<Msg>();
         // Loader thread: reads and validates adapters off the engine thread.
@@ -179,12 +192,19 @@ impl Engine {
         let (max_rank, modules, mcfg) = (cfg.max_lora_rank, cfg.lora_target_modules.clone(), model.config.clone());
         std::thread::Builder::new().name("quiver-lora-loader".into()).spawn(move || loader_loop(lrx, etx, dims, max_rank, modules, mcfg))?;
         let stride = max_model_len.div_ceil(bs);
+        // An embedding step returns hidden states: every row of a chunk under mean pooling.
+        let ws = match &embedding {
+            None => model.new_workspace(cfg.max_num_batched_tokens, cfg.max_running_requests),
+            Some(_) if mean_pooling => model.new_hidden_workspace(cfg.max_num_batched_tokens, cfg.max_num_batched_tokens),
+            Some(_) => model.new_hidden_workspace(cfg.max_num_batched_tokens, cfg.max_running_requests),
+        };
         let core = Core {
-            ws: model.new_workspace(cfg.max_num_batched_tokens, cfg.max_running_requests),
+            ws,
             batch: ForwardBatch::with_capacity(cfg.max_num_batched_tokens, cfg.max_running_requests, stride),
             stride,
             kv,
-            pool: BlockPool::new(num_blocks, bs, !cfg.disable_prefix_cache),
+            // Mean pooling needs every row computed, so no prefix may be skipped.
+            pool: BlockPool::new(num_blocks, bs, !cfg.disable_prefix_cache && !mean_pooling),
             eos: tokenizer.eos_token_ids().to_vec(),
             tokenizer,
             model,
@@ -210,6 +230,7 @@ impl Engine {
             work_buf: Vec::new(),
             cand_buf: Vec::new(),
             counters: Counters::default(),
+            embedding,
         };
         let thread = std::thread::Builder::new().name("quiver-engine".into()).spawn(move || core.run(rx))?;
         Ok(EngineHandle { inner: Arc::new(Inner { shared, tx, loader: Mutex::new(Some(ltx)), thread: Mutex::new(Some(thread)) }) })
@@ -238,6 +259,8 @@ struct Req {
     forked: bool,
     /// Admitted at least once (no longer counts against the queue limit).
     started: bool,
+    /// Set for an embedding request.
+    embed: Option<EmbedState>,
 }
 
 struct Seq {
@@ -306,6 +329,8 @@ struct Core {
     work_buf: Vec<f32>,
     cand_buf: Vec<(usize, usize)>,
     counters: Counters,
+    /// The pooling, when the engine serves embeddings.
+    embedding: Option<quiver_model::EmbeddingSpec>,
 }
 
 impl Core {

@@ -13,10 +13,17 @@ impl Core {
         // Build the batch.
         self.batch.clear(self.stride);
         self.seq_adapters.clear();
+        let mean_pooling = self.embedding.as_ref().is_some_and(|e| e.pooling == quiver_model::Pooling::Mean);
         for &(si, chunk) in &self.sched {
             let s = self.seqs[si].as_ref().expect("scheduled sequence");
             let end = s.num_computed + chunk;
-            let want = if end == s.tokens.len() { LogitsFor::Last } else { LogitsFor::None };
+            let want = if mean_pooling {
+                LogitsFor::All
+            } else if end == s.tokens.len() {
+                LogitsFor::Last
+            } else {
+                LogitsFor::None
+            };
             self.batch.push_seq(&s.tokens[s.num_computed..end], s.num_computed, &s.blocks, want);
             self.seq_adapters.push(self.reqs[s.req].as_ref().expect("live request").adapter);
             if !(chunk == 1 && end == s.tokens.len()) {
@@ -30,7 +37,11 @@ impl Core {
             let hook = self.manager.prepare_batch(&self.seq_adapters, &self.batch.seq_starts, &self.batch.logits_rows);
             match hook {
                 Ok(hook) => {
-                    self.model.forward(&self.batch, &mut self.kv, &mut self.ws, &hook as &dyn LoraHook);
+                    if self.embedding.is_some() {
+                        self.model.forward_hidden(&self.batch, &mut self.kv, &mut self.ws, &hook as &dyn LoraHook);
+                    } else {
+                        self.model.forward(&self.batch, &mut self.kv, &mut self.ws, &hook as &dyn LoraHook);
+                    }
                 }
                 Err(e) => {
                     self.fail_unresident(e);
@@ -42,8 +53,24 @@ impl Core {
                     return true;
                 }
             }
+        } else if self.embedding.is_some() {
+            self.model.forward_hidden(&self.batch, &mut self.kv, &mut self.ws, &NoLora);
         } else {
             self.model.forward(&self.batch, &mut self.kv, &mut self.ws, &NoLora);
+        }
+        if self.embedding.is_some() {
+            let sched = std::mem::take(&mut self.sched);
+            let mut row = 0;
+            for &(si, chunk) in &sched {
+                let s = self.seq_mut(si);
+                s.scheduled = false;
+                s.num_computed += chunk;
+                self.register_blocks(si);
+                row += self.take_embedding_rows(si, chunk, row);
+            }
+            self.sched = sched;
+            self.sched.clear();
+            return true;
         }
         // Sample and stream.
         let vocab = self.model.config.vocab_size;
