@@ -15,6 +15,8 @@ use std::time::Instant;
 pub struct BenchGenerateArgs {
     #[arg(long)]
     pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub shape: crate::bench_shapes::ShapeArgs,
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
     #[arg(long, default_value = "cpu")]
@@ -65,16 +67,20 @@ fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize) -> f64 {
     let mut ws = m.new_workspace(32 * n, n);
     let mut b = ForwardBatch::with_capacity(32 * n, n, per);
     let tables: Vec<Vec<u32>> = (0..n).map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect()).collect();
-    let prompt: Vec<u32> = (0..32).map(|i| (i * 17 % 500 + 50) as u32).collect();
-    for t in &tables {
+    // Every sequence its own tokens: a mixture-of-experts model then routes the rows of a step
+    // to different experts, as real traffic does (identical rows would all hit the same k).
+    let span = (m.config.vocab_size - 100).min(20000);
+    let token = |s: usize, i: usize| ((i * 31 + s * 7919) % span + 50) as u32;
+    for (s, t) in tables.iter().enumerate() {
+        let prompt: Vec<u32> = (0..32).map(|i| token(s, i)).collect();
         b.push_seq(&prompt, 0, t, LogitsFor::Last);
     }
     m.forward(&b, &mut kv, &mut ws, &NoLora);
     let start = Instant::now();
     for step in 0..steps {
         b.clear(per);
-        for t in &tables {
-            b.push_seq(&[(step % 300 + 40) as u32], 32 + step, t, LogitsFor::Last);
+        for (s, t) in tables.iter().enumerate() {
+            b.push_seq(&[token(s, 32 + step)], 32 + step, t, LogitsFor::Last);
         }
         m.forward(&b, &mut kv, &mut ws, &NoLora);
     }
@@ -82,11 +88,18 @@ fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize) -> f64 {
 }
 
 pub fn run(a: BenchGenerateArgs) -> Result<()> {
-    let path = model_path::resolve(a.model.clone())?;
-    let lm = load_model(&path, open_device(a.device)?, a.dtype)?;
+    let (lm, label) = match a.shape.model(a.device, a.dtype)? {
+        Some(x) => x,
+        None => {
+            let path = model_path::resolve(a.model.clone())?;
+            // The file name only: reports are committed, machine paths are not.
+            let name = path.file_name().map_or_else(|| path.display().to_string(), |f| f.to_string_lossy().to_string());
+            (load_model(&path, open_device(a.device)?, a.dtype)?, name)
+        }
+    };
     let m = &lm.model;
     let threads = rayon::current_num_threads();
-    println!("model {} | dtype {:?} | device {} | {} threads | cpu gemm {}", path.display(), a.dtype, a.device, threads, quiver_kernels::cpu::gemm_kind());
+    println!("model {label} | dtype {:?} | device {} | {} threads | cpu gemm {}", a.dtype, a.device, threads, quiver_kernels::cpu::gemm_kind());
     // Warm-up: fault in weights and grow scratch buffers.
     decode_tok_s(m, 1, 4);
     let pp = median((0..a.reps).map(|_| prefill_tok_s(m, a.prompt_len)).collect());
@@ -99,7 +112,7 @@ pub fn run(a: BenchGenerateArgs) -> Result<()> {
     }
     if let Some(p) = a.output_json {
         let j = serde_json::json!({
-            "model": path.file_name().map(|f| f.to_string_lossy().to_string()),
+            "model": label,
             "dtype": format!("{:?}", a.dtype), "threads": threads,
             "prefill": {"prompt_len": a.prompt_len, "tok_s": pp},
             "decode": rows,

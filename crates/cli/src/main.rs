@@ -1,10 +1,12 @@
 //! `quiver`: one binary, clap subcommands.
 
 mod bench_cmd;
+mod bench_embed;
 mod bench_engine;
 mod bench_generate;
 mod bench_lora;
 mod bench_lora_kernels;
+mod bench_shapes;
 mod embed_cmd;
 mod generate_cmd;
 mod model_path;
