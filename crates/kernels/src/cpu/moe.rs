@@ -2,7 +2,7 @@
 //! per expert, the experts' GEMMs in one parallel region through the panel kernel
 //! ([`super::panel::matmul_grouped`]), and the router-weighted combine, every one row-wise.
 
-use super::{amx, for_rows, panel, rms_norm_row};
+use super::{amx, for_rows, panel};
 use crate::moe::{ExpertData, ExpertWeights, HostRouting, MoeRouting, QkNorm, RoutingData};
 use crate::{Tensor, WeightData};
 
@@ -10,10 +10,14 @@ fn host(route: &MoeRouting) -> &HostRouting {
     route.as_host().expect("CPU MoE op given routing in device memory")
 }
 
-/// RMSNorm of `x` in place, scaled by `w` (same arithmetic as the out-of-place row norm).
-fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32, tmp: &mut [f32]) {
-    tmp[..x.len()].copy_from_slice(x);
-    rms_norm_row(&tmp[..x.len()], w, eps, x);
+/// RMSNorm of `x` in place, scaled by `w`: the arithmetic of the out-of-place row norm (every
+/// value is read for the sum before any is written).
+fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
+    let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (ss + eps).sqrt();
+    for (v, &wv) in x.iter_mut().zip(w) {
+        *v = (*v * inv) * wv;
+    }
 }
 
 pub(super) fn qk_norm(qkv: &mut Tensor, rows: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize, norm: &QkNorm) {
@@ -24,18 +28,9 @@ pub(super) fn qk_norm(qkv: &mut Tensor, rows: usize, n_heads: usize, n_kv_heads:
     let qkv = &mut qkv.as_cpu_mut()[..rows * width];
     let eps = norm.eps;
     for_rows(qkv, width, |_, row| {
-        let mut tmp = [0.0f32; 256];
-        let mut big = Vec::new();
-        let tmp: &mut [f32] = if norm.q_group.max(norm.k_group) <= tmp.len() {
-            &mut tmp
-        } else {
-            // OLMoE normalises whole projections (thousands of values): rare, so allocate.
-            big.resize(norm.q_group.max(norm.k_group), 0.0);
-            &mut big
-        };
         let (q, rest) = row.split_at_mut(q_out);
-        q.chunks_mut(norm.q_group).for_each(|g| rms_norm_inplace(g, qw, eps, tmp));
-        rest[..kv_out].chunks_mut(norm.k_group).for_each(|g| rms_norm_inplace(g, kw, eps, tmp));
+        q.chunks_mut(norm.q_group).for_each(|g| rms_norm_inplace(g, qw, eps));
+        rest[..kv_out].chunks_mut(norm.k_group).for_each(|g| rms_norm_inplace(g, kw, eps));
     });
 }
 
