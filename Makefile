@@ -25,7 +25,7 @@ test-amx: test-data
 # The CUDA device builds everywhere (CUDA is loaded at run time); its tests need a GPU and run
 # through scripts/gpu-check.sh on one, so CI compiles them only.
 check-cuda:
-	$(CARGO) check --workspace --tests --features quiver/cuda,quiver-engine/cuda
+	$(CARGO) check --workspace --tests --features quiver/cuda,quiver-engine/cuda,quiver-lora/cuda
 
 build:
 	$(CARGO) build --release -p quiver
@@ -43,8 +43,10 @@ test-data: model venv
 clean-refs:
 	rm -rf $(CACHE)/ref
 
-# HTTP server end to end: real `openai` client, Prometheus parser, shutdown, embeddings against
-# the transformers references (test-data); starts and kills its own servers on ephemeral ports.
+# HTTP server end to end: real `openai` client, Prometheus parser, shutdown; then the hostile-input
+# regressions and the 2,000-request soak (about 2 minutes); then embeddings against the
+# transformers references (test-data). Each starts and kills its own servers on ephemeral ports.
 test-server: test-data build
 	$(CACHE)/venv/bin/python tests/server/test_openai_api.py --quiver $(QUIVER)
+	$(CACHE)/venv/bin/python tests/server/test_hardening.py --quiver $(QUIVER)
 	$(CACHE)/venv/bin/python tests/server/test_embeddings.py --quiver $(QUIVER)

@@ -14,10 +14,7 @@ DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
 LOGS=$DATA/logs
 mkdir -p "$OUT" "$LOGS"
 export QUIVER_GPU_DATA=$DATA PYTHONUNBUFFERED=1
-# cudarc loads libcuda, libnvrtc and libcublas by name: put the toolkit's and the pip wheels' on the path.
-extra=$(find /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib "$(python3 -c 'import nvidia,os;print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null)/nvidia" \
-    -maxdepth 3 \( -name 'libcublas.so*' -o -name 'libnvrtc.so*' \) -printf '%h\n' 2>/dev/null | grep -v stubs | sort -u | paste -sd:)
-export LD_LIBRARY_PATH=${extra}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. scripts/gpu-env.sh
 status=0
 step() { # name, command...
     local name=$1; shift
@@ -27,11 +24,30 @@ step() { # name, command...
     [ $r = ok ] || tail -n 30 "$LOGS/$name.log"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$LOGS/nvidia-smi.log" 2>&1
-step models python3 scripts/gpu_models.py models "$DATA" .gpu/tok
-step refs python3 scripts/gpu_models.py refs "$DATA"
+# GPU_CHECK_PARITY=0 skips the parity tests and the models and references only they need
+# (a kernel-and-benchmark call: the 8B-shaped model alone).
+parity=${GPU_CHECK_PARITY:-1}
+only=; [ "$parity" = 1 ] || only=llama8b
+step models python3 scripts/gpu_models.py models "$DATA" .gpu/tok $only
+[ "$parity" = 1 ] && step refs python3 scripts/gpu_models.py refs "$DATA"
+step adapters python3 scripts/gpu_models.py adapters "$DATA" $only
+[ "$parity" = 1 ] && step peft-refs python3 scripts/gpu_models.py peft-refs "$DATA"
 step ceilings python3 scripts/gpu_models.py ceilings "$DATA"
 step kernel-tests .gpu/bin/cuda_kernels --ignored --test-threads 1 --nocapture
-step parity-tests .gpu/bin/cuda_parity --ignored --test-threads 1 --nocapture
+step lora-tests .gpu/bin/cuda_lora --ignored --test-threads 1 --nocapture
+[ "$parity" = 1 ] && step parity-tests .gpu/bin/cuda_parity --ignored --test-threads 1 --nocapture
+# LoRA on the GPU: the kernels of a whole 8B-shaped step (recorded and replayed) against the
+# copy bandwidth, then the cost of adapters in real 8B decode steps. GPU_CHECK_LORA=0 skips.
+if [ "${GPU_CHECK_LORA:-1}" = 1 ]; then
+    step bench-lora-kernels .gpu/bin/quiver bench lora --device cuda --part kernels --ranks 16 --kernel-adapters 1,16,64 \
+        --kernel-rows 1,16,64,256,2048 --backends chunked,segmented --kernel-reps 15 --output-json "$DATA/bench-lora-kernels.json"
+    step bench-lora-kernels-ranks .gpu/bin/quiver bench lora --device cuda --part kernels --ranks 8,64 --kernel-adapters 1,16 \
+        --kernel-rows 1,64,256 --backends chunked --kernel-reps 15 --output-json "$DATA/bench-lora-kernels-ranks.json"
+    step bench-lora-step .gpu/bin/quiver bench lora --device cuda --dtype bf16 --part step --model "$DATA/models/llama8b" --ranks 16 \
+        --adapters 1,16 --rows 1,16,64,256 --backends auto --steps 15 --output-json "$DATA/bench-lora-step.json"
+    grep -hE "^(decode|prefill|rank|device|CUDA graphs)" "$LOGS/bench-lora-kernels.log" "$LOGS/bench-lora-kernels-ranks.log"
+    grep -hE "^(auto|CUDA graphs)" "$LOGS/bench-lora-step.log"
+fi
 [ "${GPU_CHECK_BENCH:-1}" = 1 ] && step bench-8b .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$DATA/models/llama8b" \
     --prompt-len 2048 --batch-sizes 1,4,16,64,256 --decode-steps 32 --reps 3 --output-json "$DATA/bench-llama8b.json"
 # Decode steps of several rows replay CUDA graphs by default; the same batches with only
@@ -93,21 +109,25 @@ if [ "${GPU_CHECK_MOE:-1}" = 1 ]; then
 fi
 # The server on the GPU: start, one completion over HTTP, stop.
 serve_smoke() {
-    .gpu/bin/quiver serve --device cuda --dtype bf16 --model "$DATA/models/llama-gpu" --port 8765 > "$LOGS/serve.log" 2>&1 &
+    .gpu/bin/quiver serve --device cuda --dtype bf16 --model "$DATA/models/llama-gpu" --port 8765 --max-lora-rank 16 \
+        --lora-modules qv="$DATA/adapters/a-qv-r8" all="$DATA/adapters/b-all-r16-rslora" > "$LOGS/serve.log" 2>&1 &
     local pid=$!
     for _ in $(seq 120); do curl -sf localhost:8765/health >/dev/null && break; sleep 1; done
-    curl -sf localhost:8765/v1/completions -H 'content-type: application/json' \
-        -d '{"model": "llama-gpu", "prompt": [101, 2001, 3001, 4001], "max_tokens": 8, "temperature": 0}'
-    local rc=$?
+    local rc=0
+    for m in llama-gpu qv all; do
+        curl -sf localhost:8765/v1/completions -H 'content-type: application/json' \
+            -d "{\"model\": \"$m\", \"prompt\": [101, 2001, 3001, 4001], \"max_tokens\": 8, \"temperature\": 0}" || rc=1
+        echo
+    done
     kill $pid; wait $pid
     return $rc
 }
-[ "${GPU_CHECK_SERVE:-1}" = 1 ] && step serve-smoke serve_smoke
-tail -n 1 "$LOGS/serve-smoke.log"; echo
-cp "$DATA"/bench-llama8b.json "$DATA"/bench-llama8b-eager.json "$DATA"/bench-qwen3-30b-a3b.json "$DATA"/ceilings.json "$OUT"/ 2>/dev/null
-grep -hE "rel err|max \|Δlogprob\||identical|diverge|cosine" "$LOGS/kernel-tests.log" "$LOGS/parity-tests.log" > "$OUT/accuracy.txt" 2>/dev/null
-grep -E "test result|panicked" "$LOGS/kernel-tests.log" "$LOGS/parity-tests.log"
-for f in parity-tests; do echo "--- $f"; grep -hE "max \|Δlogprob\| per prompt|requests identical" "$LOGS/$f.log"; done
+[ "${GPU_CHECK_SERVE:-$parity}" = 1 ] && step serve-smoke serve_smoke
+tail -n 3 "$LOGS/serve-smoke.log"; echo
+cp "$DATA"/bench-llama8b.json "$DATA"/bench-llama8b-eager.json "$DATA"/bench-qwen3-30b-a3b.json "$DATA"/ceilings.json "$DATA"/bench-lora-*.json "$OUT"/ 2>/dev/null
+grep -hE "rel err|relative error|max \|Δlogprob\||identical|diverge|matched|cosine" "$LOGS/kernel-tests.log" "$LOGS/lora-tests.log" "$LOGS/parity-tests.log" > "$OUT/accuracy.txt" 2>/dev/null
+grep -E "test result|panicked" "$LOGS/kernel-tests.log" "$LOGS/lora-tests.log" "$LOGS/parity-tests.log"
+for f in parity-tests; do echo "--- $f"; grep -hE "max \|Δlogprob\| per prompt|requests identical|peft on cuda: .*(over every|greedy identical)" "$LOGS/$f.log"; done
 tail -n 8 "$LOGS/bench-8b.log"
 grep -h "gemv bandwidth" "$LOGS/kernel-tests.log"
 [ -f "$DATA/bench-llama8b.json" ] && python3 scripts/gpu_models.py summary "$DATA" 2>&1 | tee "$OUT/summary.txt"

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Device-side data for the CUDA checks (run by scripts/gpu-check.sh on the GPU machine).
 
-  gpu_models.py models   OUT TOKDIR   random-weight HF models (fixed seeds) under OUT/models
+  gpu_models.py models   OUT TOKDIR [NAMES]  random-weight HF models (fixed seeds) under OUT/models
   gpu_models.py refs     OUT          transformers float32 references under OUT/ref
   gpu_models.py ceilings OUT          measured copy bandwidth and cuBLAS bf16 GEMM rate
   gpu_models.py summary  OUT          ratios of bench-llama8b.json to those ceilings
+  gpu_models.py adapters OUT [NAMES]  PEFT adapters on llama-gpu (the CPU suite's shapes) and
+                                      rank-16 all-projection adapters of the Llama-8B shape
+  gpu_models.py peft-refs OUT         transformers + PEFT float32 references for the llama-gpu adapters
 
 Models (all share the tokenizer files found in TOKDIR, vocab 49152 unless noted):
   llama-gpu     Llama, hidden 2048, 16 layers, 16 heads / 4 KV heads (GQA), untied, f32 weights
@@ -125,9 +128,11 @@ def st_files(d, dim):
               open(os.path.join(d, "1_Pooling", "config.json"), "w"))
 
 
-def cmd_models(out, tokdir):
+def cmd_models(out, tokdir, only=None):
     from transformers import AutoModel, AutoModelForCausalLM
     for name, (cfg, seed, dtype) in configs().items():
+        if only and name not in only:
+            continue
         d = os.path.join(out, "models", name)
         if os.path.exists(os.path.join(d, "config.json")):
             continue
@@ -151,6 +156,25 @@ def cmd_models(out, tokdir):
 
 
 @torch.no_grad()
+def greedy_cases(model, vocab, seed):
+    """One case per PROMPT_LENS entry: random prompt ids (fixed seed), CONT greedy tokens, and
+    the top-TOP_K logprobs (f64 log-softmax) at every position of prompt + continuation."""
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for i, n in enumerate(PROMPT_LENS):
+        ids = torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+        seq = list(ids)
+        for _ in range(CONT):
+            logits = model(input_ids=torch.tensor([seq], device="cuda")).logits[0, -1]
+            seq.append(int(torch.argmax(logits)))
+        lp = torch.log_softmax(model(input_ids=torch.tensor([seq], device="cuda")).logits[0].double(), dim=-1)
+        top = torch.topk(lp, TOP_K, dim=-1)
+        cases.append({"name": f"p{i}-{n}", "prompt_ids": ids, "continuation_ids": seq[n:],
+                      "top_ids": top.indices.tolist(), "top_logprobs": top.values.float().tolist()})
+    return cases
+
+
+@torch.no_grad()
 def cmd_refs(out):
     from transformers import AutoModelForCausalLM
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -164,19 +188,7 @@ def cmd_refs(out):
         t = time.time()
         model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "models", name), dtype=torch.float32,
                                                      attn_implementation="eager").cuda().eval()
-        vocab = model.config.vocab_size
-        g = torch.Generator().manual_seed(99)
-        cases = []
-        for i, n in enumerate(PROMPT_LENS):
-            ids = torch.randint(100, vocab - 100, (n,), generator=g).tolist()
-            seq = list(ids)
-            for _ in range(CONT):
-                logits = model(torch.tensor([seq], device="cuda")).logits[0, -1]
-                seq.append(int(torch.argmax(logits)))
-            lp = torch.log_softmax(model(torch.tensor([seq], device="cuda")).logits[0].double(), dim=-1)
-            top = torch.topk(lp, TOP_K, dim=-1)
-            cases.append({"name": f"p{i}-{n}", "prompt_ids": ids, "continuation_ids": seq[n:],
-                          "top_ids": top.indices.tolist(), "top_logprobs": top.values.float().tolist()})
+        cases = greedy_cases(model, model.config.vocab_size, 99)
         with open(path, "w") as f:
             json.dump({"model": name, "cases": cases}, f)
         del model
@@ -283,10 +295,97 @@ def cmd_summary(out):
         f"  ({tflops:.0f} TFLOP/s in the linears vs cuBLAS)")
 
 
+# name -> (LoraConfig kwargs, seed, rho = target RMS(delta) / RMS(base output) per site): the
+# shapes the CPU parity suite covers (scripts/reference.py SMOL_ADAPTERS), on the 16-layer model.
+GPU_ADAPTERS = {
+    "a-qv-r8": (dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]), 31, 0.2),
+    "b-all-r16-rslora": (dict(r=16, lora_alpha=16, target_modules="all-linear", use_rslora=True), 32, 0.08),
+    "c-patterns": (dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                        rank_pattern={"q_proj": 4, "down_proj": 12}, alpha_pattern={"o_proj": 32}), 33, 0.06),
+    "d-embed-head": (dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "lm_head", "q_proj", "up_proj"]), 34, 0.1),
+    "e-qk-r4": (dict(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj", "gate_proj"], layers_to_transform=[0, 1, 2, 10, 15],
+                     layers_pattern="layers"), 35, 0.3),
+}
+# Rank-16 adapters on all seven projections of the 8B shape, for the serving benchmarks (more
+# names than files are served by giving one file several names).
+LORA8B_FILES = 4
+
+
+@torch.no_grad()
+def cmd_adapters(out, only=None):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from reference import calibrate_lora  # the CPU suite's calibration, same formulas
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    import copy
+    adir = os.path.join(out, "adapters")
+    todo = [n for n in GPU_ADAPTERS if not os.path.exists(os.path.join(adir, n, "adapter_model.safetensors")) and (not only or "llama-gpu" in only)]
+    if todo:
+        base = AutoModelForCausalLM.from_pretrained(os.path.join(out, "models", "llama-gpu"), dtype=torch.float32)
+        for name in todo:
+            t = time.time()
+            kw, seed, rho = GPU_ADAPTERS[name]
+            cfg = LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, bias="none", init_lora_weights=False, **kw)
+            model = get_peft_model(copy.deepcopy(base), cfg)
+            n = calibrate_lora(model, seed, rho)
+            # bf16-representable like the base weights: Quiver holds adapters in bf16 on the GPU,
+            # so the float32 reference then runs on exactly its values.
+            for pn, p in model.named_parameters():
+                if "lora_" in pn:
+                    p.copy_(p.to(torch.bfloat16).to(p.dtype))
+            model.save_pretrained(os.path.join(adir, name), safe_serialization=True, save_embedding_layers=False)
+            del model
+            log(f"adapter {name}: {n} LoRA sites, {time.time() - t:.1f}s")
+    from safetensors.torch import save_file
+    cfg8, _, _ = configs()["llama8b"]
+    h, ffn, nl = cfg8.hidden_size, cfg8.intermediate_size, cfg8.num_hidden_layers
+    kv = cfg8.num_key_value_heads * (h // cfg8.num_attention_heads)
+    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)}
+    for i in range(LORA8B_FILES):
+        d = os.path.join(adir, f"lora8b-r16-{i}")
+        if os.path.exists(os.path.join(d, "adapter_model.safetensors")):
+            continue
+        os.makedirs(d, exist_ok=True)
+        g = torch.Generator(device="cuda").manual_seed(100 + i)
+        tensors = {}
+        for layer in range(nl):
+            for mname, (din, dout) in dims.items():
+                block = "self_attn" if mname in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                p = f"base_model.model.model.layers.{layer}.{block}.{mname}"
+                tensors[f"{p}.lora_A.weight"] = ((torch.rand(16, din, generator=g, device="cuda") * 2 - 1) / din ** 0.5).to(torch.bfloat16).cpu()
+                tensors[f"{p}.lora_B.weight"] = (0.01 * torch.randn(dout, 16, generator=g, device="cuda")).to(torch.bfloat16).cpu()
+        save_file(tensors, os.path.join(d, "adapter_model.safetensors"))
+        with open(os.path.join(d, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": list(dims), "bias": "none"}, f)
+        log(f"adapter lora8b-r16-{i}: 8B shape, rank 16, all 7 projections")
+
+
+@torch.no_grad()
+def cmd_peft_refs(out):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    for name in GPU_ADAPTERS:
+        path = os.path.join(out, "ref", f"llama-gpu-{name}.json")
+        if os.path.exists(path):
+            continue
+        t = time.time()
+        base = AutoModelForCausalLM.from_pretrained(os.path.join(out, "models", "llama-gpu"), dtype=torch.float32, attn_implementation="eager")
+        model = PeftModel.from_pretrained(base, os.path.join(out, "adapters", name)).cuda().eval()
+        cases = greedy_cases(model, base.config.vocab_size, 77)
+        with open(path, "w") as f:
+            json.dump({"model": "llama-gpu", "adapter": name, "cases": cases}, f)
+        del model, base
+        torch.cuda.empty_cache()
+        log(f"peft ref llama-gpu + {name}: {len(cases)} prompts, {time.time() - t:.1f}s")
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "models":
-        cmd_models(sys.argv[2], sys.argv[3])
+        cmd_models(sys.argv[2], sys.argv[3], sys.argv[4].split(",") if len(sys.argv) > 4 else None)
     elif cmd == "refs":
         cmd_refs(sys.argv[2])
         cmd_embed_refs(sys.argv[2])
@@ -294,5 +393,9 @@ if __name__ == "__main__":
         cmd_ceilings(sys.argv[2])
     elif cmd == "summary":
         cmd_summary(sys.argv[2])
+    elif cmd == "adapters":
+        cmd_adapters(sys.argv[2], sys.argv[3].split(",") if len(sys.argv) > 3 else None)
+    elif cmd == "peft-refs":
+        cmd_peft_refs(sys.argv[2])
     else:
         sys.exit(__doc__)

@@ -69,9 +69,12 @@ def make_random_adapter(d, seed, rank=8, targets=("q_proj", "v_proj", "o_proj", 
         json.dump(cfg, f)
 
 
+CACHE = os.environ.get("QUIVER_CACHE", os.path.join(REPO, ".cache"))
+
+
 def prepare_adapters(lora_dir):
     """Four adapters a..d under lora_dir: the reference PEFT adapters if present, else random."""
-    ref = os.path.join(REPO, ".cache", "ref", "adapters")
+    ref = os.path.join(CACHE, "ref", "adapters")
     names = ["a", "b", "c", "d"]
     src = ["a-qv-r8", "b-all-r16-rslora", "c-patterns", "e-qk-r4"]
     for i, (n, s) in enumerate(zip(names, src)):
@@ -196,7 +199,7 @@ def models_list(S):
         check(a in ids, f"{a} missing: {list(ids)}")
         m = ids[a].model_dump()
         check(m["parent"] == SERVED, m)
-        check(m["root"].endswith("/" + a), m)
+        check(m["root"] == a, m)  # relative to --lora-dir: no server path is shown
 
 
 @test
@@ -576,6 +579,227 @@ def client_disconnect_cancels(S):
         time.sleep(0.2)
     else:
         check(False, "cancelled request still running after 20 s")
+
+
+@test
+def prompt_logprobs_match_transformers(S):
+    """Prompt scoring through HTTP against transformers / PEFT (f32 teacher-forced top-20 from
+    scripts/reference.py): every prompt token's logprob and its top alternatives, base and
+    adapter `a` (= a-qv-r8), each request alone, then all together with a generating request
+    in the same batches, then again with the prompts in the prefix cache."""
+    refs = {SERVED: os.path.join(CACHE, "ref", "ref", "smollm2.json"), "a": os.path.join(CACHE, "ref", "ref", "smollm2-a-qv-r8.json")}
+    check(os.path.exists(os.path.join(CACHE, "ref", "adapters", "a-qv-r8")), "reference adapters missing: run make test-data")
+    cases = [(m, c) for m, path in refs.items() for c in json.load(open(path))["cases"][:3]]
+
+    def body(model, c):
+        return {"model": model, "prompt": c["prompt_ids"] + c["continuation_ids"], "echo": True, "logprobs": 2, "max_tokens": 0, "prompt_logprobs": 5}
+
+    def compare(model, c, r):
+        check(r.status_code == 200, r.text[:300])
+        ch = r.json()["choices"][0]
+        ids = c["prompt_ids"] + c["continuation_ids"]
+        tl, plp = ch["logprobs"]["token_logprobs"], ch["prompt_logprobs"]
+        check(len(tl) == len(ids) == len(plp) and tl[0] is None and plp[0] is None, (len(tl), len(ids)))
+        compared, worst = 0, 0.0
+        for j in range(1, len(ids)):
+            ref = dict(zip(c["top_ids"][j - 1], c["top_logprobs"][j - 1]))
+            got = {int(k): v["logprob"] for k, v in plp[j].items()}
+            check(abs(got[ids[j]] - tl[j]) < 1e-6, "echo logprobs and prompt_logprobs disagree")
+            for t, lp in got.items():
+                if t in ref:
+                    worst = max(worst, abs(lp - ref[t]))
+                    compared += 1
+        check(compared >= 5 * (len(ids) - 1) * 0.8, f"{model} {c['name']}: only {compared} logprobs overlap the reference")
+        check(worst <= 1e-3, f"{model} {c['name']}: max |dlogprob| {worst:.2e} > 1e-3")
+
+    for m, c in cases:
+        compare(m, c, S.post("/v1/completions", body(m, c)))
+
+    async def together():
+        async with httpx.AsyncClient(base_url=S.base, headers=S.headers(), timeout=300) as h:
+            gen = h.post("/v1/completions", json={"model": "b", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+            return await asyncio.gather(gen, *[h.post("/v1/completions", json=body(m, c)) for m, c in cases])
+    for _ in range(2):  # the second round finds every prompt in the prefix cache
+        got = asyncio.run(together())
+        for (m, c), r in zip(cases, got[1:]):
+            compare(m, c, r)
+        check(got[0].json()["choices"][0]["text"] == greedy(S.client(), "b", n_tok=24, extra_body={"ignore_eos": True}), "generating row changed by scoring rows")
+
+
+@test
+def lm_eval_multiple_choice_matches_transformers(S, lora_dir):
+    """lm-eval (local-completions against this server) on a 20-item multiple-choice task it
+    reads from files this test writes, against lm-eval's own transformers backend (f32) on
+    the same items: the same accuracy and every choice's loglikelihood within 1e-3, for the
+    base model and for adapter `a` through PEFT."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    hf_dir = os.path.join(CACHE, "ref", "models", "smollm2-hf")
+    check(os.path.isdir(hf_dir), f"{hf_dir} missing: run make test-data")
+    d = tempfile.mkdtemp(prefix="quiver-lmeval-")
+    items = [
+        ("What is the capital of France?", ["Paris", "Berlin", "Madrid", "Rome"], 0),
+        ("How many legs does a spider have?", ["Six", "Eight", "Ten", "Four"], 1),
+        ("Which planet is known as the red planet?", ["Venus", "Jupiter", "Mars", "Saturn"], 2),
+        ("What is the largest ocean on Earth?", ["Atlantic", "Indian", "Arctic", "Pacific"], 3),
+        ("What do bees make?", ["Honey", "Milk", "Silk", "Wax paper"], 0),
+        ("Water freezes at how many degrees Celsius?", ["100", "0", "50", "-40"], 1),
+        ("Which animal is known as the king of the jungle?", ["Elephant", "Tiger", "Lion", "Wolf"], 2),
+        ("What color is the sky on a clear day?", ["Green", "Red", "Yellow", "Blue"], 3),
+        ("Who wrote Romeo and Juliet?", ["William Shakespeare", "Charles Dickens", "Mark Twain", "Jane Austen"], 0),
+        ("What is two plus two?", ["Three", "Four", "Five", "Six"], 1),
+        ("Which gas do plants absorb from the air?", ["Oxygen", "Helium", "Carbon dioxide", "Neon"], 2),
+        ("What is the opposite of hot?", ["Warm", "Wet", "Loud", "Cold"], 3),
+        ("Which fruit is yellow and curved?", ["Banana", "Apple", "Grape", "Cherry"], 0),
+        ("How many days are in a week?", ["Five", "Seven", "Nine", "Twelve"], 1),
+        ("What is the capital of Japan?", ["Beijing", "Seoul", "Tokyo", "Bangkok"], 2),
+        ("Which organ pumps blood through the body?", ["Lung", "Liver", "Kidney", "Heart"], 3),
+        ("What is the boiling point of water at sea level in Celsius?", ["100", "90", "80", "120"], 0),
+        ("Which is the fastest land animal?", ["Horse", "Cheetah", "Turtle", "Dog"], 1),
+        ("What do you call frozen water?", ["Steam", "Fog", "Ice", "Rain"], 2),
+        ("Which continent is Egypt in?", ["Asia", "Europe", "South America", "Africa"], 3),
+    ]
+    data = os.path.join(d, "items.jsonl")
+    with open(data, "w") as f:
+        for q, ch, a in items:
+            f.write(json.dumps({"question": q, "choices": ch, "answer": a}) + "\n")
+    with open(os.path.join(d, "quiver_mc.yaml"), "w") as f:
+        f.write("task: quiver_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: " + json.dumps(data) + "\n"
+                "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
+                "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n")
+    # lm-eval's hf backend encodes with the tokenizer's special tokens (this tokenizer.json
+    # prepends <|im_start|> as BOS), its API backends without unless add_bos_token is set:
+    # the same flag on both makes them score the same token sequences.
+    tm = TaskManager(include_path=d)
+    os.environ["OPENAI_API_KEY"] = S.api_key or ""
+
+    def run(model, model_args, **kw):
+        r = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["quiver_mc"], task_manager=tm, log_samples=True, **kw)
+        lls = {s["doc_id"]: [x[0] for x in s["filtered_resps"]] for s in r["samples"]["quiver_mc"]}
+        return r["results"]["quiver_mc"]["acc,none"], lls
+
+    try:
+        for name, peft in [(SERVED, None), ("a", os.path.join(lora_dir, "a"))]:
+            acc_q, ll_q = run("local-completions", f"model={name},base_url={S.base}/v1/completions,tokenizer={hf_dir},tokenizer_backend=huggingface,"
+                              "tokenized_requests=True,add_bos_token=True,num_concurrent=4,max_retries=1", batch_size=1)
+            acc_hf, ll_hf = run("hf", f"pretrained={hf_dir},dtype=float32,device=cpu" + (f",peft={peft}" if peft else ""), batch_size=8)
+            check(len(ll_q) == len(items) == len(ll_hf), (len(ll_q), len(ll_hf)))
+            worst = max(abs(a - b) for i in ll_q for a, b in zip(ll_q[i], ll_hf[i]))
+            check(all(x < 0 for v in ll_q.values() for x in v), "a choice scored 0: prompt logprobs missing")
+            check(worst <= 1e-3, f"{name}: max |dloglikelihood| {worst:.2e} vs transformers")
+            check(acc_q == acc_hf, f"{name}: accuracy {acc_q} != transformers {acc_hf}")
+            print(f"  lm-eval {name}: acc {acc_q:.2f} (transformers {acc_hf:.2f}), max |dll| {worst:.1e}", flush=True)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@test
+def chat_continue_final_message_matches_transformers(S):
+    """continue_final_message renders the prompt as transformers does (ids recovered from
+    prompt_logprobs with k = 0, which lists only the prompt token at each position)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(os.path.join(CACHE, "ref", "models", "smollm2-hf"))
+    msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite color is"}]
+    want = tok(tok.apply_chat_template(msgs, tokenize=False, continue_final_message=True), add_special_tokens=False).input_ids
+    r = S.post("/v1/chat/completions", {"model": SERVED, "messages": msgs, "continue_final_message": True, "add_generation_prompt": False,
+                                        "echo": True, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 0})
+    check(r.status_code == 200, r.text[:300])
+    v = r.json()
+    got = [int(next(iter(p))) for p in v["prompt_logprobs"][1:]]
+    check(got == want[1:] and v["usage"]["prompt_tokens"] == len(want), f"prompt differs from transformers: {got[-5:]} vs {want[-5:]}")
+    check(v["choices"][0]["message"]["content"].startswith("My favourite color is"), v["choices"][0]["message"])
+
+
+@test
+def accepted_fields_do_what_vllm_does(S):
+    c = S.client()
+    full = greedy(c, SERVED, n_tok=24)
+    words = [w for w in full.split(" ") if len(w) >= 3]
+    stop = words[1]
+    r = c.completions.create(model=SERVED, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    check(r.choices[0].text == full[:full.index(stop) + len(stop)], r.choices[0].text)
+    check(r.model_dump()["choices"][0]["stop_reason"] == stop, r.model_dump()["choices"][0])
+    # logit_bias: a +100 bias forces the token; an id outside the vocabulary is a 400 naming it.
+    r = S.post("/v1/completions", {"model": SERVED, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logit_bias": {"28": 100},
+                                   "logprobs": 0, "return_tokens_as_token_ids": True}).json()
+    check(r["choices"][0]["logprobs"]["tokens"] == ["token_id:28"] * 3, r["choices"][0]["logprobs"])
+    error_shape(S.post("/v1/completions", {"model": SERVED, "prompt": PROMPT, "logit_bias": {"999999": 1}}), 400, "logit_bias")
+    # min_tokens keeps EOS away: the chat answer runs to max_tokens.
+    r = c.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=40, temperature=0)
+    n = r.usage.completion_tokens
+    if r.choices[0].finish_reason == "stop" and n + 3 < 40:
+        r2 = c.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=n + 3, temperature=0, extra_body={"min_tokens": n + 3})
+        check(r2.usage.completion_tokens == n + 3 and r2.choices[0].finish_reason == "length", r2)
+    # continuous usage stats on every chunk.
+    chunks = list(c.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    check(all(x.usage is not None for x in chunks), "usage missing from a chunk")
+    check(S.get(f"/v1/models/{SERVED}").json()["id"] == SERVED and S.get("/v1/models/a").json()["parent"] == SERVED, "model card")
+    error_shape(S.get("/v1/models/nope"), 404)
+    for body, field in [({"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"), ({"prompt": PROMPT, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+                        ({"prompt": PROMPT, "cache_salt": "x"}, "cache_salt")]:
+        error_shape(S.post("/v1/completions", {"model": SERVED, **body}), 400, field)
+    error_shape(S.post("/v1/chat/completions", {"model": SERVED, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}), 400, "tools")
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
+     "required": ["color", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+                                              "required": ["name", "population"], "additionalProperties": False},
+                                     "capital": {"type": "boolean"}}, "required": ["city", "capital"], "additionalProperties": False},
+]
+
+
+@test
+def structured_output_holds(S):
+    """Every json_schema response parses and validates (jsonschema) over nested objects,
+    arrays, enums and required fields, on the base model and adapters, streaming and not;
+    regex and choice hold; an unconstrained request batched with them is unchanged; bad
+    constraints are 400s naming their field; a dead end ends only its own request."""
+    import jsonschema
+    import re as re_mod
+    c = S.client()
+    ask = [{"role": "user", "content": "Describe a person, a color and a city as JSON."}]
+    for i, schema in enumerate(SCHEMAS):
+        for model in [SERVED, "a", "c"]:
+            rf = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+            r = c.chat.completions.create(model=model, messages=ask, max_tokens=120, temperature=0, response_format=rf)
+            check(r.choices[0].finish_reason == "stop", (model, i, r.choices[0]))
+            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+            text = "".join(x.choices[0].delta.content or "" for x in c.chat.completions.create(
+                model=model, messages=ask, max_tokens=120, temperature=0.8, seed=i, stream=True, response_format=rf) if x.choices)
+            jsonschema.validate(json.loads(text), schema)
+        r = c.completions.create(model="b", prompt="A JSON record:", max_tokens=120, temperature=0, extra_body={"guided_json": schema})
+        jsonschema.validate(json.loads(r.choices[0].text), schema)
+    r = c.chat.completions.create(model=SERVED, messages=ask, max_tokens=100, temperature=0, response_format={"type": "json_object"})
+    check(isinstance(json.loads(r.choices[0].message.content), dict), r.choices[0].message.content)
+    # Regex and choice, each batched with an unconstrained request that must equal its lone run.
+    plain = greedy(c, "b", n_tok=24, extra_body={"ignore_eos": True})
+
+    async def batch():
+        ac = S.aclient()
+        reqs = [ac.completions.create(model="b", prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})]
+        reqs += [ac.completions.create(model=m, prompt="Phone:", max_tokens=20, temperature=0.9, seed=k, extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"}) for k, m in enumerate([SERVED, "a"])]
+        reqs += [ac.chat.completions.create(model=m, messages=[{"role": "user", "content": "Pick one."}], max_tokens=10, temperature=1.0, seed=k,
+                                            extra_body={"guided_choice": ["left", "right", "straight on"]}) for k, m in enumerate(["c", SERVED])]
+        return await asyncio.gather(*reqs)
+    got = asyncio.run(batch())
+    check(got[0].choices[0].text == plain, "unconstrained row changed by constrained ones")
+    for r in got[1:3]:
+        check(re_mod.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", r.choices[0].text), r.choices[0].text)
+    for r in got[3:]:
+        check(r.choices[0].message.content in ["left", "right", "straight on"], r.choices[0].message.content)
+    # Bad constraints: 400 naming the field.
+    for body, field in [({"guided_regex": "([0-9]"}, "guided_regex"), ({"guided_json": {"type": "no-such-type"}}, "guided_json"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}}}, "response_format"),
+                        ({"guided_grammar": "start: ("}, "guided_grammar"), ({"guided_choice": []}, "guided_choice")]:
+        error_shape(S.post("/v1/completions", {"model": SERVED, "prompt": PROMPT, **body}), 400, field)
+    # A dead end (only a letter may be drawn, the grammar wants a digit) ends its own request.
+    r = S.post("/v1/completions", {"model": SERVED, "prompt": PROMPT, "max_tokens": 5, "guided_regex": "[0-9]+", "allowed_token_ids": [64]}).json()
+    check(r["choices"][0]["finish_reason"] == "abort" and "dead end" in (r["choices"][0]["stop_reason"] or ""), r)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 //! `quiver bench engine`: the serving engine's throughput for concurrent streams — base model,
-//! all streams on one adapter, streams spread over distinct adapters — measured in one run.
+//! all streams on one adapter, streams spread over distinct adapters, base with half the
+//! streams under a structured-output constraint — measured in one run.
 
 use crate::model_path;
 use anyhow::Result;

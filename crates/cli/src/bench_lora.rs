@@ -1,17 +1,20 @@
-//! `quiver bench lora`, in two parts:
-//! - `kernels` (bench_lora_kernels.rs): shrink + expand per backend over rows × adapters × ranks
-//!   on SmolLM2- and Llama-8B-shaped layers, against this machine's peaks;
-//! - `step`: what LoRA costs in a batched decode step of the real model. For each backend and
-//!   rank, times the same decode step with N rows spread over D distinct adapters on all seven
-//!   projections, against the base model alone, in one run (ratios, medians).
+//! `quiver bench lora [--device cpu|cuda]`, in two parts:
+//! - `kernels`: on CPU (bench_lora_kernels.rs) shrink + expand per backend over rows × adapters ×
+//!   ranks on SmolLM2- and Llama-8B-shaped layers, against this machine's peaks; on CUDA
+//!   (bench_lora_gpu.rs) the LoRA kernels of a whole 8B-shaped step, recorded and replayed, against
+//!   the device's copy bandwidth;
+//! - `step`: what LoRA costs in a batched decode step of the real model on the device. For each
+//!   backend, rank and adapter count, times the same decode step with N rows spread over D
+//!   distinct adapters on all seven projections, against the base model alone, in one run
+//!   (ratios, medians).
 
 use crate::bench_generate::median;
 use crate::model_path;
 use anyhow::Result;
 use clap::Args;
-use quiver_engine::testing::{temp_dir, write_random_adapter};
 use quiver_kernels::{open_device, DType, DeviceKind};
-use quiver_lora::{AdapterKey, LoraConfig, LoraHook, LoraManager, LoraModule, NoLora};
+use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraHook, LoraManager, LoraModule, NoLora};
+use rayon::prelude::*;
 use quiver_model::{load_model, ForwardBatch, LlamaModel, LogitsFor};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -22,6 +25,12 @@ pub struct BenchLoraArgs {
     pub model: Option<PathBuf>,
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceKind,
+    /// Kernel part on CUDA: layers of the 8B-shaped step (the peers were measured on 32).
+    #[arg(long, default_value_t = 32)]
+    pub kernel_layers: usize,
     /// Which parts to run: kernels, step, or all.
     #[arg(long, default_value = "all")]
     pub part: String,
@@ -40,9 +49,9 @@ pub struct BenchLoraArgs {
     /// Step part: decode rows in the step.
     #[arg(long, value_delimiter = ',', default_value = "16,64")]
     pub rows: Vec<usize>,
-    /// Distinct adapters among the rows.
-    #[arg(long, default_value_t = 4)]
-    pub adapters: usize,
+    /// Step part: distinct adapters among the rows (each value its own runs).
+    #[arg(long, value_delimiter = ',', default_value = "4")]
+    pub adapters: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "8,16,64")]
     pub ranks: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "segmented,chunked,auto")]
@@ -91,13 +100,24 @@ pub fn run(a: BenchLoraArgs) -> Result<()> {
         anyhow::bail!("--part must be kernels, step or all (got `{}`)", a.part);
     }
     let zero = |v: &[usize]| v.is_empty() || v.contains(&0);
-    if a.adapters == 0 || a.steps == 0 || a.kernel_reps == 0 || zero(&a.ranks) || zero(&a.rows) || zero(&a.kernel_rows) || zero(&a.kernel_adapters) {
+    if zero(&a.adapters) || a.steps == 0 || a.kernel_reps == 0 || zero(&a.ranks) || zero(&a.rows) || zero(&a.kernel_rows) || zero(&a.kernel_adapters) {
         anyhow::bail!("--adapters, --steps, --kernel-reps and every value of --ranks, --rows, --kernel-rows and --kernel-adapters must be at least 1");
     }
     let mut kernels = Vec::new();
     if a.part != "step" {
-        let ka = crate::bench_lora_kernels::KernelArgs { shapes: &a.shapes, rows: &a.kernel_rows, adapters: &a.kernel_adapters, ranks: &a.ranks, backends: &a.backends, reps: a.kernel_reps };
-        kernels = crate::bench_lora_kernels::run(&ka)?;
+        kernels = match a.device {
+            DeviceKind::Cpu => {
+                let ka = crate::bench_lora_kernels::KernelArgs { shapes: &a.shapes, rows: &a.kernel_rows, adapters: &a.kernel_adapters, ranks: &a.ranks, backends: &a.backends, reps: a.kernel_reps };
+                crate::bench_lora_kernels::run(&ka)?
+            }
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(ordinal) => {
+                let ka = crate::bench_lora_gpu::GpuKernelArgs { ordinal, rows: &a.kernel_rows, adapters: &a.kernel_adapters, ranks: &a.ranks, backends: &a.backends, reps: a.kernel_reps, layers: a.kernel_layers };
+                crate::bench_lora_gpu::run(&ka)?
+            }
+            #[cfg(not(feature = "cuda"))]
+            DeviceKind::Cuda(_) => anyhow::bail!("--device cuda: this build has no CUDA support (rebuild with `--features cuda`)"),
+        };
     }
     let mut out = Vec::new();
     if a.part != "kernels" {
@@ -111,49 +131,54 @@ pub fn run(a: BenchLoraArgs) -> Result<()> {
 
 fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
     let path = model_path::resolve(a.model.clone())?;
-    let lm = load_model(&path, open_device(DeviceKind::Cpu)?, a.dtype)?;
+    let lm = load_model(&path, open_device(a.device)?, a.dtype)?;
     let m = &lm.model;
     let dims = m.lora_dims();
-    let dir = temp_dir("bench-lora");
-    println!("model {} | dtype {:?} | {} threads | {} distinct adapters on all 7 projections", path.display(), a.dtype, rayon::current_num_threads(), a.adapters);
-    println!("{:<10} {:>5} {:>5} {:>10} {:>10} {:>8}", "backend", "rank", "rows", "base ms", "lora ms", "cost");
+    println!("model {} | dtype {:?} | device {} | adapters on all 7 projections", path.display(), a.dtype, a.device);
+    println!("{:<10} {:>5} {:>4} {:>5} {:>10} {:>10} {:>8}", "backend", "rank", "ads", "rows", "base ms", "lora ms", "cost");
     let mut out = Vec::new();
+    let max_ads = a.adapters.iter().copied().max().unwrap_or(1);
     for &rank in &a.ranks {
-        let paths: Vec<PathBuf> = (0..a.adapters)
-            .map(|i| {
-                let p = dir.join(format!("r{rank}-{i}"));
-                write_random_adapter(&p, &dims, &LoraModule::PROJECTIONS, rank, 2.0 * rank as f32, 0.01, 1000 + i as u64)?;
-                Ok(p)
-            })
-            .collect::<Result<_>>()?;
+        // In memory (an 8B rank-16 adapter is 168 MB of f32): no files to write or parse.
+        let adapters: Vec<LoraAdapter> = (0..max_ads)
+            .into_par_iter()
+            .map(|i| LoraAdapter::synthetic(&format!("a{i}"), &dims, &LoraModule::PROJECTIONS, rank, 2.0 * rank as f32, 0.01, 1000 + i as u64))
+            .collect::<Result<_, _>>()?;
         for backend in &a.backends {
-            let cfg = LoraConfig { max_loras_per_batch: a.adapters.max(1), max_lora_rank: rank, max_loaded_loras: a.adapters.max(1), backend: backend.clone(), ..Default::default() };
-            let mut mgr = LoraManager::new(dims, cfg, DeviceKind::Cpu)?;
-            let keys: Vec<AdapterKey> = paths.iter().enumerate().map(|(i, p)| mgr.load_adapter(&format!("a{i}"), p)).collect::<Result<_, _>>()?;
-            for &n in &a.rows {
-                let mut st = setup(m, n);
-                let seq: Vec<Option<AdapterKey>> = (0..n).map(|i| Some(keys[i % keys.len()])).collect();
-                let (starts, rows) = (st.batch.seq_starts.clone(), st.batch.logits_rows.clone());
-                let hook = mgr.prepare_batch(&seq, &starts, &rows)?;
-                // Base and LoRA steps alternate, and the cost is the median of the per-pair
-                // ratios: load from other processes (this machine is shared) drifts slowly
-                // compared with one step, so each pair sees nearly the same machine.
-                step_ms(m, &mut st, &NoLora);
-                step_ms(m, &mut st, &hook);
-                let (mut base, mut lora, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
-                for _ in 0..a.steps {
-                    let b = step_ms(m, &mut st, &NoLora);
-                    let l = step_ms(m, &mut st, &hook);
-                    base.push(b);
-                    lora.push(l);
-                    ratio.push(l / b);
+            let cfg = LoraConfig { max_loras_per_batch: max_ads, max_lora_rank: rank, max_loaded_loras: max_ads, backend: backend.clone(), max_batch_tokens: a.rows.iter().copied().max().unwrap_or(1), ..Default::default() };
+            let mut mgr = LoraManager::new(dims, cfg, m.device.clone())?;
+            let mut keys: Vec<AdapterKey> = Vec::new();
+            for ad in &adapters {
+                keys.push(mgr.install_adapter(&ad.name, ad.clone(), false)?);
+            }
+            for &ads in &a.adapters {
+                for &n in &a.rows {
+                    let mut st = setup(m, n);
+                    let seq: Vec<Option<AdapterKey>> = (0..n).map(|i| Some(keys[i % ads])).collect();
+                    let (starts, rows) = (st.batch.seq_starts.clone(), st.batch.logits_rows.clone());
+                    let hook = mgr.prepare_batch(&seq, &starts, &rows)?;
+                    // Base and LoRA steps alternate, and the cost is the median of the per-pair
+                    // ratios: load from other processes (this machine is shared) drifts slowly
+                    // compared with one step, so each pair sees nearly the same machine.
+                    step_ms(m, &mut st, &NoLora);
+                    step_ms(m, &mut st, &hook);
+                    let (mut base, mut lora, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+                    for _ in 0..a.steps {
+                        let b = step_ms(m, &mut st, &NoLora);
+                        let l = step_ms(m, &mut st, &hook);
+                        base.push(b);
+                        lora.push(l);
+                        ratio.push(l / b);
+                    }
+                    let (b, l, r) = (median(base), median(lora), median(ratio));
+                    println!("{:<10} {:>5} {:>4} {:>5} {:>10.2} {:>10.2} {:>+7.1}%", backend, rank, ads, n, b, l, (r - 1.0) * 100.0);
+                    out.push(serde_json::json!({"backend": backend, "rank": rank, "rows": n, "adapters": ads, "device": a.device.to_string(), "base_ms": b, "lora_ms": l, "cost_pct": (r - 1.0) * 100.0}));
                 }
-                let (b, l, r) = (median(base), median(lora), median(ratio));
-                println!("{:<10} {:>5} {:>5} {:>10.2} {:>10.2} {:>+7.1}%", backend, rank, n, b, l, (r - 1.0) * 100.0);
-                out.push(serde_json::json!({"backend": backend, "rank": rank, "rows": n, "adapters": a.adapters, "base_ms": b, "lora_ms": l, "cost_pct": (r - 1.0) * 100.0}));
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    if let Some(s) = m.device.stats() {
+        println!("{s}");
+    }
     Ok(out)
 }

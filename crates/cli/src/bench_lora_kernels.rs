@@ -90,7 +90,7 @@ pub fn run(a: &KernelArgs<'_>) -> Result<Vec<serde_json::Value>> {
                 .collect::<Result<_>>()?;
             for backend in a.backends {
                 let cfg = LoraConfig { max_loras_per_batch: max_ads, max_lora_rank: rank, max_loaded_loras: max_ads, backend: backend.clone(), ..Default::default() };
-                let mut mgr = LoraManager::new(dims, cfg, DeviceKind::Cpu)?;
+                let mut mgr = LoraManager::new(dims, cfg, quiver_kernels::open_device(DeviceKind::Cpu)?)?;
                 let keys: Vec<AdapterKey> = paths.iter().enumerate().map(|(i, p)| mgr.load_adapter(&format!("a{i}"), p)).collect::<Result<_, _>>()?;
                 for &ads in a.adapters {
                     for &rows in a.rows {

@@ -77,8 +77,8 @@ impl StepLora for CliLora {
     }
 }
 
-fn setup_lora(a: &GenerateArgs, model: &quiver_model::ModelConfig, dims: quiver_lora::LoraModelDims, device: DeviceKind) -> Result<Option<CliLora>> {
-    quiver_lora::validate_backend(&a.lora_backend, device).map_err(anyhow::Error::msg)?;
+fn setup_lora(a: &GenerateArgs, model: &quiver_model::ModelConfig, dims: quiver_lora::LoraModelDims, device: std::sync::Arc<dyn quiver_kernels::Device>) -> Result<Option<CliLora>> {
+    quiver_lora::validate_backend(&a.lora_backend, device.kind()).map_err(anyhow::Error::msg)?;
     let Some(name) = &a.adapter else {
         anyhow::ensure!(a.loras.is_empty() || a.adapter.is_some(), "--lora given without --adapter");
         return Ok(None);
@@ -121,7 +121,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         prefill_chunk: 512,
     };
     let max_ctx = a.max_context.unwrap_or(prompt_ids.len() + a.max_tokens).min(lm.model.config.max_position_embeddings);
-    let mut lora = setup_lora(&a, &lm.model.config, lm.model.lora_dims(), a.device)?;
+    let mut lora = setup_lora(&a, &lm.model.config, lm.model.lora_dims(), lm.model.device.clone())?;
     let mut base = BaseOnly;
     let step_lora: &mut dyn StepLora = match lora.as_mut() {
         Some(l) => l,

@@ -5,6 +5,8 @@ mod bench_embed;
 mod bench_engine;
 mod bench_generate;
 mod bench_lora;
+#[cfg(feature = "cuda")]
+mod bench_lora_gpu;
 mod bench_lora_kernels;
 mod bench_shapes;
 mod embed_cmd;

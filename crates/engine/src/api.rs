@@ -1,6 +1,7 @@
 //! The engine's public request/response types.
 
 use crate::sampling::SamplingParams;
+use crate::structured::Constraint;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -26,6 +27,21 @@ pub struct GenerateRequest {
     pub logprobs: Option<usize>,
     /// Parallel samples sharing the prompt's KV blocks; sample `i` uses seed `seed + i`.
     pub n: usize,
+    /// `Some(k)`: the logprob of every prompt token after the first under the model (raw
+    /// logits, as vLLM's `prompt_logprobs`), with the top `k`; sent as one
+    /// [`StreamEvent::PromptLogprobs`] before any token. A request asking for them never
+    /// reads the prefix cache for rows still to be scored (the rows must run to be scored).
+    pub prompt_logprobs: Option<usize>,
+    /// EOS and `stop_token_ids` cannot end the sequence, nor stop strings match, before this
+    /// many tokens were generated (vLLM's `min_tokens`).
+    pub min_tokens: usize,
+    /// A matched stop string, or the text of a matched stop token, stays in the output.
+    pub include_stop_str_in_output: bool,
+    /// Leave special tokens' text out of the streamed text (the default).
+    pub skip_special_tokens: bool,
+    /// Structured output: what the generated text must match (compiled at submission; an
+    /// invalid one is `SubmitError::InvalidConstraint`).
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for GenerateRequest {
@@ -40,6 +56,11 @@ impl Default for GenerateRequest {
             ignore_eos: false,
             logprobs: None,
             n: 1,
+            prompt_logprobs: None,
+            min_tokens: 0,
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
+            constraint: None,
         }
     }
 }
@@ -64,6 +85,20 @@ pub struct TokenLogprob {
     pub logprob: f32,
     /// `(token id, logprob)` of the most likely tokens, best first.
     pub top: Vec<(u32, f32)>,
+    /// 1-based rank of the chosen token among all tokens (vLLM's `rank`).
+    pub rank: u32,
+}
+
+/// What ended a sequence with [`FinishReason::Stop`], as vLLM's `stop_reason` reports it
+/// (`None` there means EOS).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// One of the request's `stop_token_ids`.
+    Token(u32),
+    /// One of the request's stop strings.
+    Text(String),
+    /// The constraint's grammar reached a dead end (with [`FinishReason::Abort`]).
+    Grammar(String),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,8 +128,12 @@ pub enum StreamEvent {
     /// completed text: never a partial UTF-8 character, never text that might begin a stop
     /// string before that is resolved, never the stop string itself.
     Token { index: usize, token_id: u32, text: String, logprob: Option<TokenLogprob> },
-    /// Sample `index` is done; `completion_tokens` counts its Token events.
-    Finished { index: usize, reason: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    /// Logprobs of prompt tokens `1..` (see [`GenerateRequest::prompt_logprobs`]); sent once,
+    /// before the first `Token`.
+    PromptLogprobs(Vec<TokenLogprob>),
+    /// Sample `index` is done; `completion_tokens` counts its Token events. `stop_reason` says
+    /// which stop id or string ended a `Stop` (none for EOS).
+    Finished { index: usize, reason: FinishReason, stop_reason: Option<StopReason>, prompt_tokens: usize, completion_tokens: usize },
     /// The request failed; `Finished { reason: Abort }` follows for each unfinished sample.
     Error(String),
 }
@@ -109,6 +148,9 @@ pub enum SubmitError {
     PromptTooLong { prompt_tokens: usize, max_tokens: usize, max_model_len: usize },
     #[error("{0}")]
     Invalid(String),
+    /// The structured-output constraint does not compile (the message says why).
+    #[error("{0}")]
+    InvalidConstraint(String),
     #[error("the engine is shutting down")]
     ShuttingDown,
 }
@@ -239,7 +281,9 @@ pub struct Completion {
     pub tokens: Vec<Vec<u32>>,
     pub text: Vec<String>,
     pub logprobs: Vec<Vec<TokenLogprob>>,
+    pub prompt_logprobs: Option<Vec<TokenLogprob>>,
     pub finish: Vec<Option<FinishReason>>,
+    pub stop_reason: Vec<Option<StopReason>>,
     pub prompt_tokens: usize,
     pub error: Option<String>,
 }
@@ -275,7 +319,9 @@ impl RequestStream {
             tokens: vec![Vec::new(); n],
             text: vec![String::new(); n],
             logprobs: vec![Vec::new(); n],
+            prompt_logprobs: None,
             finish: vec![None; n],
+            stop_reason: vec![None; n],
             prompt_tokens: self.prompt_tokens,
             error: None,
         };
@@ -289,8 +335,10 @@ impl RequestStream {
                         c.logprobs[index].push(l);
                     }
                 }
-                Some(StreamEvent::Finished { index, reason, .. }) => {
+                Some(StreamEvent::PromptLogprobs(lps)) => c.prompt_logprobs = Some(lps),
+                Some(StreamEvent::Finished { index, reason, stop_reason, .. }) => {
                     c.finish[index] = Some(reason);
+                    c.stop_reason[index] = stop_reason;
                     done += 1;
                 }
                 Some(StreamEvent::Error(e)) => c.error = Some(e),
@@ -336,7 +384,7 @@ impl EmbedStream {
         match ev {
             StreamEvent::Error(e) => *error = Some(e),
             StreamEvent::Finished { .. } => return true,
-            StreamEvent::Token { .. } => {}
+            _ => {}
         }
         false
     }

@@ -1,11 +1,14 @@
 //! Engine throughput benchmark: `streams` concurrent requests × `max_tokens` generated tokens,
-//! for the base model, all requests on one adapter, and requests spread over 4 distinct
-//! adapters (random rank-`rank` PEFT adapters on every projection, written to a temp dir).
+//! for the base model, all requests on one adapter, requests spread over 4 distinct
+//! adapters (random rank-`rank` PEFT adapters on every projection, written to a temp dir), and
+//! the base model with every other request under a structured-output constraint (the cost of
+//! grammar masks in a decode step).
 //! With several rounds the three scenarios alternate, and each scenario's ratio to base is the
 //! median of per-round ratios: a shared machine's speed drifts over seconds, so a base run and
 //! an adapter run minutes apart would compare two machines.
 
 use crate::api::GenerateRequest;
+use crate::structured::Constraint;
 use crate::config::EngineConfig;
 use crate::engine::{Engine, EngineHandle};
 use crate::testing::{temp_dir, write_random_adapter};
@@ -71,13 +74,20 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// One run of a scenario: (generated tokens, seconds).
-fn run_scenario(h: &EngineHandle, name: &str, o: &BenchOptions, adapters: &[Option<String>], vocab: usize) -> Result<(usize, f64)> {
+/// A constraint that holds for any length of lowercase words: the grammar never ends the
+/// output, so constrained and free rows generate the same number of tokens.
+const BENCH_REGEX: &str = "[a-z]+( [a-z]+)*";
+
+fn run_scenario(h: &EngineHandle, name: &str, o: &BenchOptions, adapters: &[Option<String>], constrained_every: Option<usize>, vocab: usize) -> Result<(usize, f64)> {
     let t0 = Instant::now();
     let mut streams = Vec::new();
     for i in 0..o.streams {
         // Distinct prompts (no prefix-cache sharing between streams).
         let prompt: Vec<u32> = (0..o.prompt_tokens).map(|j| ((i * 7919 + j * 104729 + 17) % (vocab - 100) + 50) as u32).collect();
-        let req = GenerateRequest { prompt, adapter: adapters[i % adapters.len()].clone(), max_tokens: o.max_tokens, ignore_eos: true, ..Default::default() };
+        let constraint = constrained_every.filter(|k| i % k == 0).map(|_| Constraint::Regex(BENCH_REGEX.into()));
+        // EOS is masked (min_tokens) on constrained rows so none ends its grammar early.
+        let min_tokens = if constraint.is_some() { o.max_tokens } else { 0 };
+        let req = GenerateRequest { prompt, adapter: adapters[i % adapters.len()].clone(), max_tokens: o.max_tokens, min_tokens, ignore_eos: true, constraint, ..Default::default() };
         streams.push(h.submit(req).map_err(|e| anyhow::anyhow!("submit: {e}"))?);
     }
     let mut generated = 0;
@@ -113,14 +123,16 @@ pub fn bench_engine(model: LoadedModel, mut cfg: EngineConfig, o: &BenchOptions)
     }
     // Warm-up (workspace growth, page faults, slot loads).
     let warm = BenchOptions { streams: o.streams, max_tokens: 4, ..o.clone() };
-    run_scenario(&h, "warmup", &warm, &names, vocab)?;
+    run_scenario(&h, "warmup", &warm, &names, Some(2), vocab)?;
     let multi = format!("{} distinct adapters", names.len());
-    let scenarios: [(&str, &[Option<String>]); 3] = [("base", &[None]), ("1 adapter", &names[..1]), (&multi, &names)];
+    // (name, adapters cycled over the streams, every k-th stream constrained)
+    type Scenario<'a> = (&'a str, &'a [Option<String>], Option<usize>);
+    let scenarios: [Scenario; 4] = [("base", &[None], None), ("1 adapter", &names[..1], None), (&multi, &names, None), ("base, 50% constrained", &[None], Some(2))];
     // runs[s][round] = (tokens, seconds)
     let mut runs = vec![Vec::new(); scenarios.len()];
     for _ in 0..o.rounds.max(1) {
-        for (s, (name, ads)) in scenarios.iter().enumerate() {
-            runs[s].push(run_scenario(&h, name, o, ads, vocab)?);
+        for (s, (name, ads, every)) in scenarios.iter().enumerate() {
+            runs[s].push(run_scenario(&h, name, o, ads, *every, vocab)?);
         }
     }
     h.shutdown_and_join();
@@ -128,7 +140,7 @@ pub fn bench_engine(model: LoadedModel, mut cfg: EngineConfig, o: &BenchOptions)
     let out = scenarios
         .iter()
         .zip(&runs)
-        .map(|((name, _), rs)| BenchResult {
+        .map(|((name, _, _), rs)| BenchResult {
             scenario: name.to_string(),
             streams: o.streams,
             max_tokens: o.max_tokens,

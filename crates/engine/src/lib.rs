@@ -10,11 +10,13 @@ pub mod engine;
 pub mod generate;
 pub mod kv;
 pub mod sampling;
+pub mod structured;
 pub mod testing;
 pub mod text;
 
-pub use api::{AdapterError, AdapterInfo, AdapterStats, Completion, DebugState, EmbedRequest, EmbedStream, EngineStats, FinishReason, GenerateRequest, RequestStream, StreamEvent, SubmitError, TokenLogprob};
+pub use api::{AdapterError, AdapterInfo, AdapterStats, Completion, DebugState, EmbedRequest, EmbedStream, EngineStats, FinishReason, GenerateRequest, RequestStream, StopReason, StreamEvent, SubmitError, TokenLogprob};
 pub use config::{EngineConfig, SchedulePolicy, Task};
 pub use engine::{Engine, EngineHandle};
 pub use generate::{AdapterLora, BaseOnly, GenerateOptions, GenerateStats, Generator, StepLora};
 pub use sampling::{SamplingParams, Sampler};
+pub use structured::Constraint;

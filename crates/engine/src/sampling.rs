@@ -21,17 +21,22 @@ pub struct SamplingParams {
     /// 1.0 = disabled; >1 discourages tokens already in prompt or output (HF semantics).
     pub repetition_penalty: f32,
     pub seed: Option<u64>,
+    /// `(token id, bias)` added to the logits before sampling (OpenAI's `logit_bias`; ids are
+    /// checked against the vocabulary at submission).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Only these ids may be drawn when non-empty (vLLM's `allowed_token_ids`), sorted.
+    pub allowed_token_ids: Vec<u32>,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, presence_penalty: 0.0, frequency_penalty: 0.0, repetition_penalty: 1.0, seed: None }
+        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, presence_penalty: 0.0, frequency_penalty: 0.0, repetition_penalty: 1.0, seed: None, logit_bias: Vec::new(), allowed_token_ids: Vec::new() }
     }
 }
 
 impl SamplingParams {
     pub fn validate(&self) -> Result<(), String> {
-        if !(self.temperature >= 0.0) || !self.temperature.is_finite() {
+        if self.temperature.is_nan() || self.temperature < 0.0 || !self.temperature.is_finite() {
             return Err(format!("temperature must be >= 0, got {}", self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
@@ -40,13 +45,16 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
-        if !(self.repetition_penalty > 0.0) || !self.repetition_penalty.is_finite() {
+        if self.repetition_penalty.is_nan() || self.repetition_penalty <= 0.0 || !self.repetition_penalty.is_finite() {
             return Err(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
         }
         for (n, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
             if !(-2.0..=2.0).contains(&v) {
                 return Err(format!("{n} must be in [-2, 2], got {v}"));
             }
+        }
+        if let Some((t, b)) = self.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
+            return Err(format!("logit_bias for token {t} must be a finite number, got {b}"));
         }
         Ok(())
     }
@@ -85,10 +93,20 @@ impl Sampler {
         }
     }
 
-    /// Applies penalties to `logits` in place (used for sampling and for reported logprobs
-    /// alike, as vLLM does).
+    /// Applies penalties and the logit bias to `logits` in place (used for sampling and for
+    /// reported logprobs alike, as vLLM's logits processors were).
     pub fn apply_penalties(&self, logits: &mut [f32]) {
         let p = &self.params;
+        for &(t, b) in &p.logit_bias {
+            logits[t as usize] += b;
+        }
+        if !p.allowed_token_ids.is_empty() {
+            for (t, l) in logits.iter_mut().enumerate() {
+                if p.allowed_token_ids.binary_search(&(t as u32)).is_err() {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
         if p.repetition_penalty != 1.0 {
             for &t in &self.seen {
                 let l = &mut logits[t as usize];
@@ -163,6 +181,15 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// The chosen token's logprob, its 1-based rank and the top `n` alternatives.
+pub fn token_logprob(logits: &[f32], token: u32, n: usize) -> crate::api::TokenLogprob {
+    let mut top = Vec::new();
+    let logprob = logprobs(logits, token, n, &mut top);
+    let l = logits[token as usize];
+    let rank = 1 + logits.iter().filter(|&&x| x > l).count() as u32;
+    crate::api::TokenLogprob { logprob, top, rank }
+}
+
 /// `log_softmax(logits)[token]` and the top-`n` (token, logprob) pairs.
 pub fn logprobs(logits: &[f32], token: u32, n: usize, top: &mut Vec<(u32, f32)>) -> f32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -222,5 +249,24 @@ mod tests {
         let z: f32 = logits.iter().map(|l| l.exp()).sum();
         assert!((lp - (3.0f32.exp() / z).ln()).abs() < 1e-6);
         assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+        let t = token_logprob(&logits, 0, 1);
+        assert_eq!((t.rank, t.top.len()), (3, 1));
+        assert!((t.logprob - (1.0f32.exp() / z).ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn logit_bias_shifts_and_can_ban() {
+        let p = SamplingParams { logit_bias: vec![(0, 5.0), (1, -100.0)], ..Default::default() };
+        let s = Sampler::new(p, &[]);
+        let mut l = vec![0.1, 2.0, 1.9, -1.0];
+        s.apply_penalties(&mut l);
+        assert_eq!(argmax(&l), 0);
+        assert_eq!(l[1], -98.0);
+        let s = Sampler::new(SamplingParams { allowed_token_ids: vec![2, 3], ..Default::default() }, &[]);
+        let mut l = vec![0.1, 2.0, 1.9, -1.0];
+        s.apply_penalties(&mut l);
+        assert_eq!((argmax(&l), l[1]), (2, f32::NEG_INFINITY));
+        let bad = SamplingParams { logit_bias: vec![(0, f32::NAN)], ..Default::default() };
+        assert!(bad.validate().is_err());
     }
 }

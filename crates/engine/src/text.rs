@@ -13,21 +13,23 @@ const CONTEXT: usize = 4;
 pub struct Detok {
     prefix: usize,
     read: usize,
+    skip_special: bool,
 }
 
 impl Detok {
-    pub fn new(prompt_len: usize) -> Self {
-        Detok { prefix: prompt_len.saturating_sub(CONTEXT), read: prompt_len }
+    /// `skip_special`: leave special tokens' text out (the request's `skip_special_tokens`).
+    pub fn new(prompt_len: usize, skip_special: bool) -> Self {
+        Detok { prefix: prompt_len.saturating_sub(CONTEXT), read: prompt_len, skip_special }
     }
 
-    fn decode(tok: &Tokenizer, ids: &[u32]) -> String {
-        tok.inner().decode(ids, true).unwrap_or_default()
+    fn decode(&self, tok: &Tokenizer, ids: &[u32]) -> String {
+        tok.inner().decode(ids, self.skip_special).unwrap_or_default()
     }
 
     /// `ids` ends with the newly generated token; returns text completed by it.
     pub fn step(&mut self, tok: &Tokenizer, ids: &[u32]) -> Option<String> {
-        let before = Self::decode(tok, &ids[self.prefix..self.read]);
-        let now = Self::decode(tok, &ids[self.prefix..]);
+        let before = self.decode(tok, &ids[self.prefix..self.read]);
+        let now = self.decode(tok, &ids[self.prefix..]);
         if now.len() <= before.len() || now.ends_with('\u{FFFD}') || !now.is_char_boundary(before.len()) {
             return None;
         }
@@ -42,8 +44,8 @@ impl Detok {
         if self.read >= ids.len() {
             return None;
         }
-        let before = Self::decode(tok, &ids[self.prefix..self.read]);
-        let now = Self::decode(tok, &ids[self.prefix..]);
+        let before = self.decode(tok, &ids[self.prefix..self.read]);
+        let now = self.decode(tok, &ids[self.prefix..]);
         self.prefix = ids.len();
         self.read = ids.len();
         let new = now.get(before.len()..).unwrap_or("").to_string();
@@ -58,20 +60,22 @@ pub struct StopScan {
 }
 
 impl StopScan {
-    /// Appends `text`; writes what can be emitted to `out`. Returns true when a stop string
-    /// matched: `out` then ends right before it and the rest is dropped.
-    pub fn push(&mut self, text: &str, stops: &[String], out: &mut String) -> bool {
+    /// Appends `text`; writes what can be emitted to `out`. Returns the index in `stops` of
+    /// the stop string that matched (the earliest in the text): `out` then ends right before
+    /// it (`include`: right after it) and the rest is dropped.
+    pub fn push(&mut self, text: &str, stops: &[String], include: bool, out: &mut String) -> Option<usize> {
         self.pending.push_str(text);
         if stops.is_empty() {
             out.push_str(&self.pending);
             self.pending.clear();
-            return false;
+            return None;
         }
-        let first = stops.iter().filter(|s| !s.is_empty()).filter_map(|s| self.pending.find(s.as_str())).min();
-        if let Some(p) = first {
-            out.push_str(&self.pending[..p]);
+        let first = stops.iter().enumerate().filter(|(_, s)| !s.is_empty()).filter_map(|(i, s)| self.pending.find(s.as_str()).map(|p| (p, i))).min();
+        if let Some((p, i)) = first {
+            let end = if include { p + stops[i].len() } else { p };
+            out.push_str(&self.pending[..end]);
             self.pending.clear();
-            return true;
+            return Some(i);
         }
         // Longest suffix of pending that is a proper prefix of some stop string.
         let mut hold = 0;
@@ -87,7 +91,14 @@ impl StopScan {
         let cut = self.pending.len() - hold;
         out.push_str(&self.pending[..cut]);
         self.pending.drain(..cut);
-        false
+        None
+    }
+
+    /// Appends text that stop strings are not matched in (generated before `min_tokens`, as
+    /// vLLM starts its stop-string search after them): emitted as it is.
+    pub fn push_unchecked(&mut self, text: &str, out: &mut String) {
+        self.flush(out);
+        out.push_str(text);
     }
 
     /// End of generation without a stop string: release what was held back.
@@ -102,14 +113,18 @@ mod tests {
     use super::*;
 
     fn feed(chunks: &[&str], stops: &[&str]) -> (Vec<String>, bool) {
+        feed_incl(chunks, stops, false)
+    }
+
+    fn feed_incl(chunks: &[&str], stops: &[&str], include: bool) -> (Vec<String>, bool) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
         let mut s = StopScan::default();
         let mut outs = Vec::new();
         for c in chunks {
             let mut o = String::new();
-            let stop = s.push(c, &stops, &mut o);
+            let stop = s.push(c, &stops, include, &mut o);
             outs.push(o);
-            if stop {
+            if stop.is_some() {
                 return (outs, true);
             }
         }
@@ -136,5 +151,16 @@ mod tests {
         let (o, stopped) = feed(&["x", "é", "ab", "éc"], &["éé", "abé"]);
         assert!(stopped);
         assert_eq!(o.concat(), "xé");
+    }
+
+    #[test]
+    fn included_stop_string_ends_the_output_and_reports_its_index() {
+        let (o, stopped) = feed_incl(&["Hello ", "wor", "ld! END"], &["zz", "world!"], true);
+        assert!(stopped);
+        assert_eq!(o.concat(), "Hello world!");
+        let mut s = StopScan::default();
+        let mut o = String::new();
+        assert_eq!(s.push("a b END c", &["END".into(), "b".into()], false, &mut o), Some(1));
+        assert_eq!(o, "a ");
     }
 }

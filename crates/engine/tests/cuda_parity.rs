@@ -4,8 +4,11 @@
 //! - Quiver bf16 on CUDA vs transformers float32 on the same weights (Llama with GQA, Qwen2 with
 //!   biases): max |Δlogprob| on the reference's top-20 at every position, greedy continuations;
 //! - Quiver CUDA bf16 vs Quiver CPU f32 on SmolLM2-shaped random weights;
-//! - 32 concurrent greedy requests through the engine (base and two adapters, so the LoRA path
-//!   runs on CUDA too) vs each request alone;
+//! - PEFT adapters of the CPU suite's shapes (made by `gpu_models.py adapters`) in one batched
+//!   forward on CUDA with base rows, against transformers + PEFT float32 on the same
+//!   bf16-representable weights; greedy continuations per adapter;
+//! - concurrent greedy requests through the engine over four adapters and base (LoRA kernels in
+//!   CUDA graphs), and over five adapters rotating through two slots, vs each request alone;
 //! - mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its shared expert) bf16 on CUDA vs
 //!   transformers float32, and concurrent MoE requests vs each alone;
 //! - a bare Qwen3 decoder's last-token embeddings, bf16 on CUDA through the engine, vs
@@ -18,8 +21,8 @@ use common::{alone, log_softmax, max_logprob_delta, oracle_manager, prompt, RefC
 use quiver_engine::testing::{temp_dir, write_random_adapter};
 use quiver_engine::{BaseOnly, Engine, EngineConfig, GenerateRequest, Generator};
 use quiver_kernels::{open_device, DType, DeviceKind};
-use quiver_lora::LoraModule;
-use quiver_model::{load_model, LoadedModel};
+use quiver_lora::{AdapterKey, LoraConfig, LoraManager, LoraModule};
+use quiver_model::{load_model, ForwardBatch, LoadedModel, LogitsFor};
 use std::path::PathBuf;
 
 /// Tolerance of the issue: bf16 weights and KV against float32.
@@ -128,27 +131,110 @@ fn cuda_bf16_matches_cpu_f32_on_smollm2_shaped_weights() {
     check_cases("smollm2-rand cuda vs cpu", &gpu, &cases);
 }
 
-/// 32 concurrent greedy requests of mixed lengths over the base model and two adapters, with
-/// chunked prefill interleaved with decode, against each request alone through `Generator`.
+/// The GPU adapters of `gpu_models.py` (the CPU parity suite's shapes on the 16-layer model).
+const GPU_ADAPTERS: [&str; 5] = ["a-qv-r8", "b-all-r16-rslora", "c-patterns", "d-embed-head", "e-qk-r4"];
+
+/// Every adapter's cases and some base cases in batched forwards on CUDA (the short prompts in
+/// one, the long ones in another), each row's logprobs against its own reference; then each
+/// adapter's greedy continuations through the generator (single-row decode steps: graphs).
 #[test]
 #[ignore = "needs a CUDA GPU and scripts/gpu_models.py output: run by scripts/gpu-check.sh"]
-fn engine_batched_equals_alone_on_cuda() {
+fn peft_adapters_mixed_batch_on_cuda_match_transformers() {
+    let lm = load_on("llama-gpu", DeviceKind::Cuda(0), DType::Bf16);
+    let m = &lm.model;
+    let vocab = m.config.vocab_size;
+    let cfg = LoraConfig { max_loras_per_batch: 8, max_lora_rank: 16, target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
+    let mut mgr = LoraManager::new(m.lora_dims(), cfg, m.device.clone()).unwrap();
+    let keys: Vec<AdapterKey> = GPU_ADAPTERS.iter().map(|a| mgr.load_adapter(a, data_dir().join("adapters").join(a)).unwrap_or_else(|e| panic!("{a}: {e}"))).collect();
+    let refs: Vec<RefFile> = GPU_ADAPTERS.iter().map(|a| read_ref(&format!("llama-gpu-{a}"))).collect();
+    let base = read_ref("llama-gpu");
+    let mut worst: Vec<f32> = vec![0.0; GPU_ADAPTERS.len() + 1];
+    for long in [false, true] {
+        let mut seqs: Vec<(Option<usize>, &RefCase)> = Vec::new();
+        for (i, r) in refs.iter().enumerate() {
+            for c in r.cases.iter().filter(|c| (c.prompt_ids.len() > 100) == long) {
+                seqs.push((Some(i), c));
+                if seqs.len().is_multiple_of(3) {
+                    if let Some(b) = base.cases.iter().filter(|b| (b.prompt_ids.len() > 100) == long).nth(seqs.len() / 3 % 4) {
+                        seqs.push((None, b));
+                    }
+                }
+            }
+        }
+        let bs = 16;
+        let lens: Vec<usize> = seqs.iter().map(|(_, c)| c.prompt_ids.len() + c.continuation_ids.len()).collect();
+        let per: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
+        let total: usize = lens.iter().sum();
+        let mut kv = m.alloc_kv(per.iter().sum(), bs);
+        let mut batch = ForwardBatch::with_capacity(total, seqs.len(), *per.iter().max().unwrap());
+        let mut next = 0u32;
+        for ((_, c), &nb) in seqs.iter().zip(&per) {
+            let mut toks = c.prompt_ids.clone();
+            toks.extend(&c.continuation_ids);
+            batch.push_seq(&toks, 0, &(next..next + nb as u32).collect::<Vec<_>>(), LogitsFor::All);
+            next += nb as u32;
+        }
+        let skeys: Vec<Option<AdapterKey>> = seqs.iter().map(|s| s.0.map(|i| keys[i])).collect();
+        let mut ws = m.new_workspace(total, total);
+        let hook = mgr.prepare_batch(&skeys, &batch.seq_starts, &batch.logits_rows).unwrap();
+        let logits = m.forward(&batch, &mut kv, &mut ws, &hook);
+        let mut off = 0;
+        for ((a, c), &len) in seqs.iter().zip(&lens) {
+            let (d, pos) = max_logprob_delta(c, &logits[off * vocab..(off + len) * vocab], vocab);
+            let label = a.map_or("base", |i| GPU_ADAPTERS[i]);
+            eprintln!("peft on cuda, mixed batch: {label} {}: max |Δlogprob| {d:.4} at {pos}", c.name);
+            let w = &mut worst[a.map_or(GPU_ADAPTERS.len(), |i| i)];
+            *w = w.max(d);
+            off += len;
+        }
+    }
+    for (i, w) in worst.iter().enumerate() {
+        eprintln!("peft on cuda: {}: max |Δlogprob| {w:.4} over every position of its cases", GPU_ADAPTERS.get(i).unwrap_or(&"base"));
+        assert!(*w <= TOL, "{}: max |Δlogprob| {w} > {TOL}", GPU_ADAPTERS.get(i).unwrap_or(&"base"));
+    }
+    // Greedy continuations, adapter by adapter.
+    for (i, r) in refs.iter().enumerate() {
+        let mut same = 0;
+        for c in &r.cases {
+            let got = alone(m, Some((&mut mgr, keys[i])), &c.prompt_ids, c.continuation_ids.len(), &[]);
+            match first_divergence(&got, &c.continuation_ids) {
+                None => same += 1,
+                Some(p) => {
+                    let row = c.prompt_ids.len() + p - 1;
+                    let lp = |t: u32| c.top_ids[row].iter().position(|&x| x == t).map(|j| c.top_logprobs[row][j]);
+                    let gap = match (lp(c.continuation_ids[p]), got.get(p).and_then(|&t| lp(t))) {
+                        (Some(a), Some(b)) => format!("{:.4}", a - b),
+                        _ => "over the top-20".into(),
+                    };
+                    eprintln!("peft on cuda: {} {}: greedy diverges at token {p} (reference's top-2 gap there {gap})", GPU_ADAPTERS[i], c.name);
+                }
+            }
+        }
+        eprintln!("peft on cuda: {}: greedy identical {same}/{}", GPU_ADAPTERS[i], r.cases.len());
+        assert!(same * 8 >= r.cases.len() * 7, "{}: greedy identical in only {same}/{}", GPU_ADAPTERS[i], r.cases.len());
+    }
+}
+
+/// Concurrent greedy requests of mixed lengths over the base model and `n_adapters` adapters
+/// (`slots` of them resident at once), chunked prefill interleaved with decode, against each
+/// request alone through `Generator`.
+fn engine_matches_alone(tag: &str, n_requests: usize, n_adapters: usize, slots: usize) {
     let lm = load_on("llama-gpu", DeviceKind::Cuda(0), DType::Bf16);
     let oracle_lm = load_on("llama-gpu", DeviceKind::Cuda(0), DType::Bf16);
     let dims = lm.model.lora_dims();
     let vocab = lm.model.config.vocab_size;
     let root = temp_dir("cuda-parity");
-    let paths: Vec<PathBuf> = (0..2)
+    let paths: Vec<PathBuf> = (0..n_adapters)
         .map(|i| {
             let p = root.join(format!("adapter{i}"));
-            write_random_adapter(&p, &dims, &LoraModule::PROJECTIONS, 16, 32.0, 0.02, 40 + i as u64).unwrap();
+            write_random_adapter(&p, &dims, &LoraModule::PROJECTIONS, [16, 8, 16, 4, 12][i % 5], 32.0, 0.02, 40 + i as u64).unwrap();
             p
         })
         .collect();
     let (mut oracle, keys) = oracle_manager(&oracle_lm.model, &paths);
     let cfg = EngineConfig {
         max_running_requests: 40,
-        max_loras_per_batch: 2,
+        max_loras_per_batch: slots,
         max_lora_rank: 16,
         max_num_batched_tokens: 256,
         chunked_prefill_size: 64,
@@ -160,10 +246,10 @@ fn engine_batched_equals_alone_on_cuda() {
         h.load_adapter_blocking(&format!("a{i}"), p, false, false, None).unwrap();
     }
     let max_tokens = 16;
-    let cases: Vec<(Vec<u32>, Option<usize>)> = (0..32)
+    let cases: Vec<(Vec<u32>, Option<usize>)> = (0..n_requests)
         .map(|i| {
             let len = [3usize, 9, 17, 30, 41, 64, 100, 150][i % 8] + i % 5;
-            (prompt(1000 + i as u64, len, vocab), [None, Some(0), Some(1)][i % 3])
+            (prompt(1000 + i as u64, len, vocab), (i % (n_adapters + 1)).checked_sub(1))
         })
         .collect();
     let streams: Vec<_> = cases
@@ -178,7 +264,7 @@ fn engine_batched_equals_alone_on_cuda() {
 
     let mut diverged = Vec::new();
     for (i, ((p, a), c)) in cases.iter().zip(&got).enumerate() {
-        assert!(c.error.is_none(), "request {i}: {:?}", c.error);
+        assert!(c.error.is_none(), "{tag}: request {i}: {:?}", c.error);
         let want = alone(&oracle_lm.model, a.map(|a| (&mut oracle, keys[a])), p, max_tokens, &[]);
         if let Some(pos) = first_divergence(&c.tokens[0], &want) {
             // bf16 GEMMs of different batch shapes round differently, which can flip a near-tie.
@@ -186,14 +272,20 @@ fn engine_batched_equals_alone_on_cuda() {
             let lp = &c.logprobs[0][pos];
             let alt = lp.top.iter().find(|(t, _)| *t == want[pos]).map(|x| x.1);
             let gap = alt.map_or(f32::INFINITY, |x| lp.logprob - x);
-            eprintln!("request {i} (adapter {a:?}, prompt {} tokens): batched diverges from alone at token {pos}; logprob gap there {gap:.4}", p.len());
+            eprintln!("{tag}: request {i} (adapter {a:?}, prompt {} tokens): batched diverges from alone at token {pos}; logprob gap there {gap:.4}", p.len());
             diverged.push((i, gap));
         }
     }
-    eprintln!("engine on cuda: {}/{} requests identical to running alone", cases.len() - diverged.len(), cases.len());
+    eprintln!("{tag}: {}/{} requests identical to running alone", cases.len() - diverged.len(), cases.len());
     for &(i, gap) in &diverged {
-        assert!(gap <= 2.0 * TOL, "request {i} diverged from running alone where the top two tokens are {gap} apart in logprob (not a bf16 near-tie)");
+        assert!(gap <= 2.0 * TOL, "{tag}: request {i} diverged from running alone where the top two tokens are {gap} apart in logprob (not a bf16 near-tie)");
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and scripts/gpu_models.py output: run by scripts/gpu-check.sh"]
+fn engine_batched_equals_alone_on_cuda() {
+    engine_matches_alone("engine on cuda (4 adapters + base)", 40, 4, 4);
 }
 
 #[test]
@@ -201,6 +293,12 @@ fn engine_batched_equals_alone_on_cuda() {
 fn random_qwen3moe_bf16_matches_transformers() {
     let lm = load_on("qwen3moe-gpu", DeviceKind::Cuda(0), DType::Bf16);
     check_cases("qwen3moe-gpu", &lm, &read_ref("qwen3moe-gpu").cases);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and scripts/gpu_models.py output: run by scripts/gpu-check.sh"]
+fn engine_slot_churn_on_cuda() {
+    engine_matches_alone("engine on cuda (5 adapters through 2 slots)", 30, 5, 2);
 }
 
 #[test]

@@ -35,6 +35,7 @@ fn stop_strings_and_stop_ids() {
                 break;
             }
             StreamEvent::Error(e) => panic!("{e}"),
+            StreamEvent::PromptLogprobs(_) => panic!("prompt logprobs that were not asked for"),
         }
     }
     assert_eq!(reason, Some(FinishReason::Stop));

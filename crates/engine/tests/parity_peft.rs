@@ -16,7 +16,7 @@ const ADAPTERS: [&str; 5] = ["a-qv-r8", "b-all-r16-rslora", "c-patterns", "d-emb
 
 fn manager(model: &LlamaModel, slots: usize) -> (LoraManager, Vec<AdapterKey>) {
     let cfg = LoraConfig { max_loras_per_batch: slots, max_lora_rank: 16, target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
-    let mut mgr = LoraManager::new(model.lora_dims(), cfg, DeviceKind::Cpu).unwrap();
+    let mut mgr = LoraManager::new(model.lora_dims(), cfg, quiver_kernels::open_device(DeviceKind::Cpu).unwrap()).unwrap();
     let keys = ADAPTERS.iter().map(|a| mgr.load_adapter(a, require(&format!("ref/adapters/{a}"))).unwrap()).collect();
     (mgr, keys)
 }

@@ -12,12 +12,15 @@ pub mod aligned;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod lora;
 pub mod moe;
 
 pub use moe::{ExpertWeights, MoeRouting, QkNorm, RouterSpec};
 
 use std::fmt;
 use std::sync::Arc;
+
+pub use lora::{GroupRows, LoraCall, LoraGroups, LoraSiteBuffers, LoraSiteShape, LoraStorage, LoraTable, LoraX};
 
 /// Where a [`Device`] computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -271,6 +274,14 @@ pub trait Device: Send + Sync {
     fn load_weight(&self, w: Weight) -> Weight {
         w
     }
+    /// One line of the device's own counters for benchmark reports (CUDA: recorded, replayed and
+    /// eager steps), if it keeps any.
+    fn stats(&self) -> Option<String> {
+        None
+    }
+    /// Blocks until every op queued so far has finished (benchmarks time whole steps with it);
+    /// a device that computes synchronously has nothing to wait for.
+    fn wait(&self) {}
     /// `(free, total)` bytes of the device's own memory, for devices that have one (the CPU
     /// shares host memory and says `None`).
     fn memory_info(&self) -> Option<(usize, usize)> {
@@ -286,9 +297,10 @@ pub trait Device: Send + Sync {
         4
     }
     /// Called once per forward step before any op, with every host-side metadata slice the
-    /// step's ops will receive. A device with its own memory copies them over in one transfer
+    /// step's ops will receive (`extra`: the LoRA groups packed for the device, see
+    /// [`lora::pack_tiles`]). A device with its own memory copies them over in one transfer
     /// and serves later ops from that copy; the CPU reads the slices where they are.
-    fn stage_batch(&self, _ids: &[u32], _batch: &AttnBatch<'_>, _logits_rows: &[u32]) {}
+    fn stage_batch(&self, _ids: &[u32], _batch: &AttnBatch<'_>, _logits_rows: &[u32], _extra: &[&[u32]]) {}
     /// Runs `body`: every op of one forward step between [`Device::stage_batch`] and the
     /// final copy to host, over `rows` token rows. `shape` identifies everything that fixes the
     /// step's launches (row and sequence layout, logits rows); steps with equal shapes differ only
@@ -335,6 +347,39 @@ pub trait Device: Send + Sync {
     fn paged_attention(&self, qkv: &Tensor, batch: &AttnBatch<'_>, kv: &mut KvStorage, layer: usize, n_heads: usize, scale: f32, out: &mut Tensor);
     /// Gather rows: `out[i] = x[rows[i]]` with row width `dim`.
     fn gather_rows(&self, x: &Tensor, rows: &[u32], dim: usize, out: &mut Tensor);
+    // ---- LoRA (see the `lora` module for the layouts and the op's contract) ----
+
+    /// Zeroed slot buffers of one LoRA site, in this device's memory and element type.
+    fn lora_alloc_site(&self, shape: LoraSiteShape) -> LoraSiteBuffers {
+        LoraSiteBuffers::host(shape)
+    }
+    /// A rank / scaling table for `entries` sites of `slots` slots (with a device mirror where
+    /// the kernels need one).
+    fn lora_alloc_table(&self, entries: usize, slots: usize) -> LoraTable {
+        LoraTable::host(entries, slots)
+    }
+    /// Rewrites slot `slot` of `buf`: `fill(a, b)` receives that slot's A (`n·R·in`) and Bᵀ
+    /// (`R·b_ld`) zeroed, as f32, and writes the adapter into them; the device then holds them
+    /// in its own element type. Every element of the slot is rewritten (the zero-tail invariant).
+    fn lora_write_slot(&self, buf: &mut LoraSiteBuffers, slot: usize, fill: &mut dyn FnMut(&mut [f32], &mut [f32])) {
+        let (al, bl) = (buf.shape.a_slot_len(), buf.shape.b_slot_len());
+        let a = &mut buf.a.host_mut()[slot * al..(slot + 1) * al];
+        a.fill(0.0);
+        let b = &mut buf.b.host_mut()[slot * bl..(slot + 1) * bl];
+        b.fill(0.0);
+        fill(a, b);
+    }
+    /// Copies the host side of `table` into its device mirror (after slots were loaded or freed).
+    fn lora_sync_table(&self, _table: &mut LoraTable) {}
+    /// Rows per tile of the packed groups this device reads; 0 when it reads the host slices of
+    /// [`LoraGroups`] (nothing is packed or staged).
+    fn lora_tile_rows(&self) -> usize {
+        0
+    }
+    /// `y[t] += Δ(x[t])` for every row `t` of `call.groups` (the `lora` module's formula); `y` is
+    /// row-major `[call.groups.rows, out]`.
+    fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor);
+
     /// Allocate a paged KV store.
     fn alloc_kv(&self, layout: KvLayout) -> KvStorage {
         KvStorage {

@@ -12,9 +12,16 @@
 //! with `rank_pattern`/`alpha_pattern`, so kernels read them from the pool's slot table; this
 //! struct keeps each slot's largest rank (0 = slot unused by this batch).
 //!
+//! For a device that reads its own copy of the groups (`Device::lora_tile_rows` > 0), both
+//! groupings — segments and chunks — are also packed into the device layout
+//! (`quiver_kernels::lora::pack_tiles`) every step, whichever a backend will use: a step the
+//! device recorded (CUDA graph) with one of them stays right when replayed with the other's data.
+//!
 //! Buffers only grow (to the largest batch seen); a steady-state step allocates nothing.
 
 use crate::error::{LoraError, Result};
+use quiver_kernels::lora::pack_tiles;
+use quiver_kernels::{GroupRows, LoraGroups};
 
 pub const DEFAULT_CHUNK_SIZE: usize = 16;
 
@@ -33,6 +40,9 @@ pub struct RowGrouping {
     pub max_seg_len: usize,
     /// Rows that have an adapter.
     pub adapter_rows: usize,
+    /// Segments and chunks in the device layout (empty when the device reads the host slices).
+    pub packed_segments: Vec<u32>,
+    pub packed_chunks: Vec<u32>,
     counts: Vec<u32>,
 }
 
@@ -60,6 +70,46 @@ impl RowGrouping {
     }
     pub fn num_chunks(&self) -> usize {
         self.chunk_slot.len()
+    }
+
+    /// The segments (contiguous runs of one slot) as the device op's groups.
+    pub fn segments(&self) -> LoraGroups<'_> {
+        LoraGroups {
+            rows: self.rows(),
+            adapter_rows: self.adapter_rows,
+            group_rows: GroupRows::Contiguous,
+            start: &self.seg_start,
+            end: &self.seg_end,
+            slot: &self.seg_slot,
+            packed: &self.packed_segments,
+        }
+    }
+
+    /// The chunks of the slot-sorted permutation as the device op's groups.
+    pub fn chunks(&self) -> LoraGroups<'_> {
+        LoraGroups {
+            rows: self.rows(),
+            adapter_rows: self.adapter_rows,
+            group_rows: GroupRows::Permuted(&self.perm),
+            start: &self.chunk_start,
+            end: &self.chunk_end,
+            slot: &self.chunk_slot,
+            packed: &self.packed_chunks,
+        }
+    }
+
+    /// Packs both groupings for a device reading tiles of `tile_rows` (0: nothing to pack).
+    fn pack(&mut self, tile_rows: usize) {
+        if tile_rows == 0 {
+            return;
+        }
+        let rows = self.rows();
+        let mut segs = std::mem::take(&mut self.packed_segments);
+        let mut chunks = std::mem::take(&mut self.packed_chunks);
+        pack_tiles(&self.segments(), tile_rows, rows, &mut segs);
+        pack_tiles(&self.chunks(), tile_rows, rows, &mut chunks);
+        self.packed_segments = segs;
+        self.packed_chunks = chunks;
     }
 
     /// Derives segments, permutation and chunks from `row_slot`.
@@ -136,12 +186,15 @@ pub struct LoraBatchInfo {
     pub logits_rows: Vec<u32>,
     /// Largest rank of each slot used by this batch; 0 for slots the batch does not use.
     pub slot_rank: Vec<u32>,
+    /// Rows per tile of the device's packed groups (0: the device reads the host slices).
+    pub tile_rows: usize,
 }
 
 impl LoraBatchInfo {
     /// Buffers sized for `max_tokens` rows; larger batches grow them once.
-    pub fn with_capacity(num_slots: usize, max_tokens: usize, chunk_size: usize) -> Self {
+    pub fn with_capacity(num_slots: usize, max_tokens: usize, chunk_size: usize, tile_rows: usize) -> Self {
         LoraBatchInfo {
+            tile_rows,
             num_slots,
             chunk_size: chunk_size.max(1),
             tokens: RowGrouping::with_capacity(max_tokens, num_slots),
@@ -193,6 +246,8 @@ impl LoraBatchInfo {
         }
         self.tokens.group(self.num_slots, self.chunk_size);
         self.logits.group(self.num_slots, self.chunk_size);
+        self.tokens.pack(self.tile_rows);
+        self.logits.pack(self.tile_rows);
         Ok(())
     }
 
@@ -209,7 +264,7 @@ mod tests {
     #[test]
     fn reference_example_permutation_and_chunks() {
         // REFERENCE §1.4: request slots [0,1,0], lengths [2,1,3], chunk 3.
-        let mut b = LoraBatchInfo::with_capacity(2, 8, 3);
+        let mut b = LoraBatchInfo::with_capacity(2, 8, 3, 0);
         b.build(&[Some(0), Some(1), Some(0)], &[0, 2, 3, 6], &[1, 2, 5], |_| 4).unwrap();
         assert_eq!(b.tokens.perm, vec![0, 1, 3, 4, 5, 2]);
         assert_eq!(b.tokens.chunk_start, vec![0, 3, 5]);
@@ -223,7 +278,7 @@ mod tests {
 
     #[test]
     fn base_rows_are_in_no_segment() {
-        let mut b = LoraBatchInfo::with_capacity(2, 8, 16);
+        let mut b = LoraBatchInfo::with_capacity(2, 8, 16, 0);
         b.build(&[None, Some(1), None], &[0, 2, 3, 5], &[4], |_| 2).unwrap();
         assert_eq!(b.tokens.seg_start, vec![2]);
         assert_eq!(b.tokens.perm, vec![2]);
@@ -235,7 +290,7 @@ mod tests {
 
     #[test]
     fn bad_seq_starts_are_errors() {
-        let mut b = LoraBatchInfo::with_capacity(2, 8, 16);
+        let mut b = LoraBatchInfo::with_capacity(2, 8, 16, 0);
         assert!(b.build(&[None], &[0], &[], |_| 0).is_err());
         assert!(b.build(&[None, None], &[0, 3, 2], &[], |_| 0).is_err());
         assert!(b.build(&[None], &[0, 3], &[3], |_| 0).is_err());

@@ -9,6 +9,7 @@
 //! - [`config`]: PEFT `adapter_config.json` semantics (rsLoRA, rank/alpha patterns, target and
 //!   exclude matching, `layers_to_transform`) and every refusal.
 //! - [`adapter`]: one adapter's weights in host memory, validated against the model dims.
+//! - [`adapter_files`]: bounded, sandboxed reads of an adapter directory's files.
 //! - [`mem_pool`]: the preallocated slot buffers the kernels read.
 //! - [`eviction_policy`]: LRU / FIFO victim choice over slots.
 //! - [`registry`]: names, versions, in-flight counts and the host-memory cache.
@@ -34,6 +35,7 @@
 //! into B. Rows with no adapter are in no slot and no segment.
 
 pub mod adapter;
+pub mod adapter_files;
 pub mod backend;
 pub mod batch;
 pub mod config;
@@ -43,8 +45,8 @@ pub mod manager;
 pub mod mem_pool;
 pub mod registry;
 
-pub use adapter::LoraAdapter;
-pub use backend::{backend_names, validate_backend, LoraBackend};
+pub use adapter::{LoraAdapter, ReadLimits};
+pub use backend::{backend_names, validate_backend, LoraBackend, SiteRef};
 pub use batch::LoraBatchInfo;
 pub use config::{AdapterConfig, LoraModule};
 pub use error::LoraError;
@@ -128,8 +130,8 @@ pub struct LoraModelDims {
 /// The seam between the forward pass and LoRA. `m` rows of the batch are processed; which
 /// adapter each row uses is the implementor's business (it was prepared for this batch).
 ///
-/// `dev` is the device holding the tensors: a hook whose kernels cannot read that device's
-/// memory directly goes through it to copy.
+/// `dev` is the device holding the tensors; the hook has it run its LoRA kernel
+/// (`Device::lora_apply`) on them where they live.
 pub trait LoraHook: Sync {
     /// `y[r, :] += Δ_site(x[r, :])` for every row `r < m` whose adapter targets this site.
     /// `x` is the linear's input `[m, in]`, `y` its fused base output `[m, out]`.
@@ -141,6 +143,16 @@ pub trait LoraHook: Sync {
     fn lm_head(&self, dev: &dyn Device, x: &Tensor, rows: &[u32], logits: &mut Tensor);
     /// False when no row of this batch has an adapter, so the model may skip every call.
     fn is_active(&self) -> bool;
+    /// Host metadata to stage with the batch (`Device::stage_batch`'s `extra`): the row
+    /// groupings packed for a device that reads its own copy; empty slices otherwise.
+    fn staged(&self) -> [&[u32]; 4] {
+        [&[]; 4]
+    }
+    /// Mixed into the step's shape key: nonzero when the step runs LoRA kernels, whose launches
+    /// a recorded step must contain.
+    fn shape_key(&self) -> u64 {
+        0
+    }
 }
 
 /// The hook for a batch with no adapters at all.

@@ -4,11 +4,11 @@
 //! [`BatchHook`] the model's forward pass calls.
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::Arc;
 
-use quiver_kernels::{Device, DeviceKind, Tensor};
+use quiver_kernels::{Device, DeviceKind, LoraX, Tensor};
 
-use crate::backend::{create_backend, LoraBackend, LoraInput, Scratch, DEFAULT_BACKEND};
+use crate::backend::{create_backend, LoraBackend, SiteRef, DEFAULT_BACKEND};
 use crate::batch::{LoraBatchInfo, DEFAULT_CHUNK_SIZE};
 use crate::config::LoraModule;
 use crate::error::{LoraError, Result};
@@ -60,18 +60,17 @@ pub struct LoraManager {
     registry: LoraRegistry,
     backend: Box<dyn LoraBackend>,
     batch: LoraBatchInfo,
-    scratch: Mutex<Scratch>,
-    /// Host copies of a site's input and output when the model's tensors live on a device
-    /// (the CUDA stop-gap: see [`BatchHook`]).
-    staging: Mutex<HostStaging>,
     batch_keys: Vec<AdapterKey>,
     seq_slots: Vec<Option<u32>>,
+    /// See [`LoraManager::set_disk_reload`].
+    disk_reload: bool,
 }
 
 impl LoraManager {
-    /// Validates the configuration and allocates the slot pool once.
-    pub fn new(dims: LoraModelDims, config: LoraConfig, device: DeviceKind) -> Result<Self> {
-        let backend = create_backend(&config.backend, device).map_err(LoraError::Invalid)?;
+    /// Validates the configuration and allocates the slot pool once, on `device` (the model's).
+    pub fn new(dims: LoraModelDims, config: LoraConfig, device: Arc<dyn Device>) -> Result<Self> {
+        let kind = device.kind();
+        let backend = create_backend(&config.backend, kind).map_err(LoraError::Invalid)?;
         if config.max_loaded_loras < config.max_loras_per_batch {
             return Err(LoraError::Invalid(format!(
                 "max_loaded_loras ({}) must be at least max_loras_per_batch ({})",
@@ -81,22 +80,19 @@ impl LoraManager {
         if config.target_modules.is_empty() {
             return Err(LoraError::Invalid("LoRA target_modules is empty".into()));
         }
-        let pool = LoraMemoryPool::new(dims, config.max_loras_per_batch, config.max_lora_rank, &config.target_modules, config.eviction_policy)?;
-        tracing::info!(bytes = pool.size_bytes(), slots = config.max_loras_per_batch, rank = config.max_lora_rank, "allocated LoRA memory pool");
+        let tile_rows = device.lora_tile_rows();
+        let pool = LoraMemoryPool::new(device, dims, config.max_loras_per_batch, config.max_lora_rank, &config.target_modules, config.eviction_policy)?;
+        tracing::info!(bytes = pool.size_bytes(), slots = config.max_loras_per_batch, rank = config.max_lora_rank, device = %kind, "allocated LoRA memory pool");
         let s = config.max_loras_per_batch;
-        let mut scratch = Scratch::default();
-        // Decode-sized scratch up front; prefill grows it once.
-        crate::backend::ensure(&mut scratch.shrink, config.max_batch_tokens.min(256) * 3 * config.max_lora_rank);
         Ok(LoraManager {
-            batch: LoraBatchInfo::with_capacity(s, config.max_batch_tokens, config.chunk_size),
+            batch: LoraBatchInfo::with_capacity(s, config.max_batch_tokens, config.chunk_size, tile_rows),
             registry: LoraRegistry::new(config.max_loaded_loras),
-            scratch: Mutex::new(scratch),
-            staging: Mutex::new(HostStaging::default()),
             batch_keys: Vec::with_capacity(s + 1),
             seq_slots: Vec::with_capacity(config.max_batch_tokens),
+            disk_reload: true,
             dims,
             config,
-            device,
+            device: kind,
             pool,
             backend,
         })
@@ -129,11 +125,22 @@ impl LoraManager {
         if self.registry.resolve(name).is_some() {
             return Err(LoraError::AlreadyLoaded(name.to_string()));
         }
+        let adapter = self.read_adapter(name, path.as_ref())?;
+        self.install_adapter(name, adapter, pinned)
+    }
+
+    /// [`Self::load_adapter_with`] for weights already read (by the engine's loader thread, so
+    /// that the thread owning the manager does no file I/O). Its `path` is recorded.
+    pub fn install_adapter(&mut self, name: &str, adapter: LoraAdapter, pinned: bool) -> Result<AdapterKey> {
+        if self.registry.resolve(name).is_some() {
+            return Err(LoraError::AlreadyLoaded(name.to_string()));
+        }
         if pinned {
             self.check_can_pin()?;
         }
-        let adapter = self.read_adapter(name, path.as_ref())?;
-        let (key, _) = self.registry.insert(name, path.as_ref(), adapter, false);
+        adapter.check_compatible(self.pool.max_rank(), self.pool.modules())?;
+        let path = adapter.path.clone();
+        let (key, _) = self.registry.insert(name, &path, adapter, false);
         if pinned {
             if let Err(e) = self.pin(name, true) {
                 self.remove_version(key);
@@ -147,10 +154,18 @@ impl LoraManager {
     /// Loads new weights under an existing name: a new version; requests holding the old one
     /// keep it until they release it. Pinning carries over.
     pub fn replace_adapter(&mut self, name: &str, path: impl AsRef<Path>) -> Result<AdapterKey> {
+        self.registry.resolve(name).ok_or_else(|| LoraError::UnknownAdapter(name.to_string()))?;
+        let adapter = self.read_adapter(name, path.as_ref())?;
+        self.install_replacement(name, adapter)
+    }
+
+    /// [`Self::replace_adapter`] for weights already read.
+    pub fn install_replacement(&mut self, name: &str, adapter: LoraAdapter) -> Result<AdapterKey> {
         let old = self.registry.resolve(name).ok_or_else(|| LoraError::UnknownAdapter(name.to_string()))?;
         let was_pinned = self.registry.versions.get(&old.version).is_some_and(|e| e.pinned);
-        let adapter = self.read_adapter(name, path.as_ref())?;
-        let (key, _) = self.registry.insert(name, path.as_ref(), adapter, false);
+        adapter.check_compatible(self.pool.max_rank(), self.pool.modules())?;
+        let path = adapter.path.clone();
+        let (key, _) = self.registry.insert(name, &path, adapter, false);
         if let Some(s) = self.pool.slot_of(old) {
             self.pool.set_pinned(s, false);
         }
@@ -160,6 +175,32 @@ impl LoraManager {
         }
         self.registry.enforce_host_cap(&[key]);
         Ok(key)
+    }
+
+    /// Whether a host-cache miss may read the adapter's files again on the calling thread
+    /// (default: yes). The engine turns it off and restores evicted weights through
+    /// [`Self::reload_source`] / [`Self::restore_weights`] from its loader thread; a batch
+    /// needing weights that are neither in a slot nor in host memory then fails instead.
+    pub fn set_disk_reload(&mut self, on: bool) {
+        self.disk_reload = on;
+    }
+
+    /// True if `key` can join a batch without reading files: slot-resident or in host memory.
+    pub fn weights_available(&self, key: AdapterKey) -> bool {
+        self.is_resident(key) || self.in_host_memory(key)
+    }
+
+    /// `(name, directory, weights-file stamp at load)` to read `key`'s weights from again,
+    /// when they are not in host memory.
+    pub fn reload_source(&self, key: AdapterKey) -> Option<(String, PathBuf, Option<crate::adapter::FileStamp>)> {
+        self.registry.reload_source(key)
+    }
+
+    /// Puts back weights of `key` read again from its directory; refused (naming the file) if
+    /// the file is not the one this version was loaded from. A no-op for a version that is
+    /// gone or already in memory.
+    pub fn restore_weights(&mut self, key: AdapterKey, adapter: LoraAdapter) -> Result<()> {
+        self.registry.restore(key, adapter)
     }
 
     /// Removes `name`. Its weights go now if no request holds them, else at the last release.
@@ -303,7 +344,7 @@ impl LoraManager {
         }
         let pool = &self.pool;
         self.batch.build(&self.seq_slots, seq_starts, logits_rows, |s| pool.slot_max_rank(s))?;
-        Ok(BatchHook { pool: &self.pool, info: &self.batch, backend: &*self.backend, scratch: &self.scratch, staging: &self.staging })
+        Ok(BatchHook { pool: &self.pool, info: &self.batch, backend: &*self.backend })
     }
 
     /// The metadata of the last prepared batch.
@@ -332,7 +373,7 @@ impl LoraManager {
 
     /// Puts `key` into a slot (free first, else the policy's victim outside `protect`).
     fn make_resident(&mut self, key: AdapterKey, protect: &[AdapterKey]) -> Result<usize> {
-        let weights = self.registry.weights(key, &self.dims)?;
+        let weights = self.registry.weights(key, &self.dims, self.disk_reload)?;
         let slot = self.pool.choose_slot(|o| protect.contains(&o))?;
         if let Some(old) = self.pool.owner(slot) {
             tracing::debug!(slot, evicted = old.version, loaded = key.version, "LoRA slot eviction");
@@ -366,55 +407,24 @@ impl LoraManager {
     }
 }
 
-/// Host buffers for staging device tensors through the CPU backends; they only grow.
-#[derive(Default)]
-struct HostStaging {
-    x: Vec<f32>,
-    y: Vec<f32>,
-}
-
-/// The [`LoraHook`] of one prepared batch.
-///
-/// When the model's activations live in device memory (CUDA), each call copies the site's input
-/// and output rows to host, applies the deltas with the CPU backend and uploads the output
-/// again. That is correct for every backend and adapter shape but costs two transfers per
-/// site; it stands in until LoRA kernels run on the GPU itself.
+/// The [`LoraHook`] of one prepared batch: each call hands the site's slot buffers and the
+/// batch's row grouping to the backend, which has the model's device run its LoRA kernel on
+/// the tensors where they live.
 pub struct BatchHook<'a> {
     pool: &'a LoraMemoryPool,
     info: &'a LoraBatchInfo,
     backend: &'a dyn LoraBackend,
-    scratch: &'a Mutex<Scratch>,
-    staging: &'a Mutex<HostStaging>,
 }
+
+/// Mixed into a step's shape key when any row has an adapter: the step then has LoRA launches.
+const LORA_SHAPE_SALT: u64 = 0x9e37_79b9_7f4a_7c15;
 
 impl BatchHook<'_> {
     pub fn info(&self) -> &LoraBatchInfo {
         self.info
     }
-    fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
-        // A panic in another kernel call cannot leave Scratch inconsistent (it is only
-        // working memory), so a poisoned lock is still usable.
-        self.scratch.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Runs `f(x_host, y_host)` on host views of `x[..x_len]` (absent when `x` is None) and
-    /// `y[..y_len]`, copying through `dev` when the tensors are not in host memory.
-    fn on_host(&self, dev: &dyn Device, x: Option<(&Tensor, usize)>, y: &mut Tensor, y_len: usize, f: impl FnOnce(&[f32], &mut [f32])) {
-        if y.is_host() {
-            let xs = x.map(|(t, n)| &t.as_cpu()[..n]).unwrap_or(&[]);
-            return f(xs, &mut y.as_cpu_mut()[..y_len]);
-        }
-        let mut st = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        let HostStaging { x: xb, y: yb } = &mut *st;
-        let x_len = x.map(|(_, n)| n).unwrap_or(0);
-        crate::backend::ensure(xb, x_len);
-        crate::backend::ensure(yb, y_len);
-        if let Some((t, n)) = x {
-            dev.to_host(t, n, &mut xb[..n]);
-        }
-        dev.to_host(y, y_len, &mut yb[..y_len]);
-        f(&xb[..x_len], &mut yb[..y_len]);
-        dev.upload(&yb[..y_len], y);
+    fn site_ref<'s>(&'s self, site: Option<(&'s quiver_kernels::LoraSiteBuffers, usize)>) -> Option<SiteRef<'s>> {
+        site.map(|(buffers, entry)| SiteRef { buffers, table: self.pool.table(), entry })
     }
 }
 
@@ -423,37 +433,42 @@ impl LoraHook for BatchHook<'_> {
         if !self.info.is_active() {
             return;
         }
-        let Some(view) = self.pool.site_view(layer, site) else { return };
+        let Some(s) = self.site_ref(self.pool.site(layer, site)) else { return };
         assert_eq!(m, self.info.tokens.rows(), "LoRA hook called with {m} rows but the batch was prepared for {}", self.info.tokens.rows());
-        self.on_host(dev, Some((x, m * view.in_dim)), y, m * view.out_dim, |xs, ys| {
-            self.backend.apply(&view, &self.info.tokens, LoraInput::Dense(xs), ys, &mut self.scratch())
-        });
+        self.backend.apply(dev, s, &self.info.tokens, LoraX::Dense(x), y);
     }
 
     fn embedding(&self, dev: &dyn Device, ids: &[u32], out: &mut Tensor) {
         if !self.info.is_active() {
             return;
         }
-        let Some(view) = self.pool.embedding_view() else { return };
+        let Some(s) = self.site_ref(self.pool.embedding()) else { return };
         assert_eq!(ids.len(), self.info.tokens.rows(), "LoRA embedding hook: ids do not match the prepared batch");
-        self.on_host(dev, None, out, ids.len() * view.out_dim, |_, ys| {
-            self.backend.apply(&view, &self.info.tokens, LoraInput::TokenIds(ids), ys, &mut self.scratch())
-        });
+        self.backend.apply(dev, s, &self.info.tokens, LoraX::TokenIds(ids), out);
     }
 
     fn lm_head(&self, dev: &dyn Device, x: &Tensor, rows: &[u32], logits: &mut Tensor) {
         if self.info.logits.adapter_rows == 0 {
             return;
         }
-        let Some(view) = self.pool.lm_head_view() else { return };
+        let Some(s) = self.site_ref(self.pool.lm_head()) else { return };
         assert_eq!(rows, &self.info.logits_rows[..], "LoRA lm_head hook: rows differ from the prepared logits rows");
-        let n = rows.len();
-        self.on_host(dev, Some((x, n * view.in_dim)), logits, n * view.out_dim, |xs, ys| {
-            self.backend.apply(&view, &self.info.logits, LoraInput::Dense(xs), ys, &mut self.scratch())
-        });
+        self.backend.apply(dev, s, &self.info.logits, LoraX::Dense(x), logits);
     }
 
     fn is_active(&self) -> bool {
         self.info.is_active()
+    }
+
+    fn staged(&self) -> [&[u32]; 4] {
+        let (t, l) = (&self.info.tokens, &self.info.logits);
+        [&t.packed_segments, &t.packed_chunks, &l.packed_segments, &l.packed_chunks]
+    }
+
+    /// Whether the token rows and the logits rows have adapter rows decides which LoRA calls a
+    /// step makes (the hook skips the others), so both go into the key.
+    fn shape_key(&self) -> u64 {
+        let (t, l) = (self.info.tokens.adapter_rows > 0, self.info.logits.adapter_rows > 0);
+        if t || l { LORA_SHAPE_SALT.rotate_left(l as u32) ^ t as u64 } else { 0 }
     }
 }

@@ -1,4 +1,5 @@
-//! The LoRA memory pool: `S` slots of max rank `R`, allocated once, per layer and site:
+//! The LoRA memory pool: `S` slots of max rank `R`, allocated once on the model's device, per
+//! layer and site:
 //! - qkv: A `(S, 3R, hidden)`, Bᵀ `(S, R, q_out + 2·kv_out)`
 //! - o: A `(S, R, q_out)`, Bᵀ `(S, R, hidden)`
 //! - gate_up: A `(S, 2R, hidden)`, Bᵀ `(S, R, 2·inter)`
@@ -6,18 +7,22 @@
 //! - embedding (one, not per layer): A `(S, R, vocab)`, Bᵀ `(S, R, hidden)`
 //! - lm_head: A `(S, R, hidden)`, Bᵀ `(S, R, vocab)`
 //!
+//! The buffers are the device's (`Device::lora_alloc_site`: f32 host memory on CPU, bf16 device
+//! memory on CUDA), so the kernels read them where they compute and nothing is copied per step.
 //! B is stored transposed (PEFT's `lora_B` is `(out, r)`) so the expand walks contiguous output
-//! columns: each rank step is a vector multiply-add over a run of `y`, instead of one short
-//! rank-long dot product per output element. A Bᵀ row is `b_ld ≥ out` floats apart
-//! ([`b_row_stride`]): an odd number of cache lines, so the `r` rows that one expand block reads
-//! at the same column fall in `r` different cache sets. At the unpadded stride a 3072-wide
-//! gate_up row is 192 lines, a multiple of the L1's 64 sets, and all 16 rows of a rank-16 block
-//! (and the next block, prefetched) fell in one 8-way set. Buffers are 64-byte aligned, so every row starts on a line.
+//! columns. A Bᵀ row is `b_ld ≥ out` floats apart ([`b_row_stride`]): an odd number of cache
+//! lines, so the `r` rows that one CPU expand block reads at the same column fall in `r`
+//! different cache sets. At the unpadded stride a 3072-wide gate_up row is 192 lines, a multiple
+//! of the L1's 64 sets, and all 16 rows of a rank-16 block (and the next block, prefetched) fell
+//! in one 8-way set. Host buffers are 64-byte aligned, so every row starts on a line.
 //!
 //! A site's buffers exist only if one of its projections is a configured target (vocab-sized
 //! buffers are large). Slot layout and its zero-tail invariant: see the crate docs. Slot
-//! metadata (site rank, per-slice scaling) is stored `[entry][slot]` so a kernel gets one
-//! contiguous per-slot slice for its (layer, site).
+//! metadata (site rank, per-slice scaling) is a `LoraTable` `[entry][slot]`, mirrored on the
+//! device after every load or free, so a kernel finds one contiguous per-slot row for its
+//! (layer, site).
+
+use std::sync::Arc;
 
 use crate::adapter::LoraAdapter;
 use crate::config::LoraModule;
@@ -25,52 +30,13 @@ use crate::error::{LoraError, Result};
 use crate::eviction_policy::{EvictionPolicy, EvictionTracker};
 use crate::registry::AdapterKey;
 use crate::{LinearSite, LoraModelDims};
-use quiver_kernels::aligned::AlignedVec;
+use quiver_kernels::lora::MAX_SLICES;
+use quiver_kernels::{Device, LoraSiteBuffers, LoraSiteShape, LoraTable};
 
-/// Max fused slices per site.
-pub const MAX_SLICES: usize = 3;
-
-/// Preallocated A/B buffers of one site (all slots).
-pub struct SiteBuffers {
-    pub a: AlignedVec<f32>,
-    pub b: AlignedVec<f32>,
-    /// Input width (vocab for the embedding).
-    pub in_dim: usize,
-    /// Total output width (sum of slices).
-    pub out_dim: usize,
-    /// Distance between Bᵀ rows, [`b_row_stride`]`(out_dim)`.
-    pub b_ld: usize,
-    pub n_slices: usize,
-    /// Slice boundaries in the output, `offsets[..=n_slices]`.
-    pub offsets: [usize; MAX_SLICES + 1],
-    /// Which adapter module fills each slice.
+/// One site's buffers and which adapter module fills each of its slices.
+pub struct PoolSite {
+    pub buffers: LoraSiteBuffers,
     pub modules: [Option<LoraModule>; MAX_SLICES],
-}
-
-impl SiteBuffers {
-    fn new(slots: usize, max_rank: usize, in_dim: usize, widths: &[usize], modules: &[LoraModule]) -> Self {
-        let n = widths.len();
-        let mut offsets = [0; MAX_SLICES + 1];
-        for j in 0..n {
-            offsets[j + 1] = offsets[j] + widths[j];
-        }
-        let out_dim = offsets[n];
-        let mut ms = [None; MAX_SLICES];
-        for (j, m) in modules.iter().enumerate() {
-            ms[j] = Some(*m);
-        }
-        let b_ld = b_row_stride(out_dim);
-        SiteBuffers {
-            a: AlignedVec::zeroed(slots * n * max_rank * in_dim),
-            b: AlignedVec::zeroed(slots * b_ld * max_rank),
-            in_dim,
-            out_dim,
-            b_ld,
-            n_slices: n,
-            offsets,
-            modules: ms,
-        }
-    }
 }
 
 /// Floats between two Bᵀ rows of output width `out`: `out` rounded up to whole 64-byte lines,
@@ -82,46 +48,16 @@ pub fn b_row_stride(out: usize) -> usize {
     16 * (lines | 1)
 }
 
-/// What a kernel needs to apply one site: the buffers plus this (layer, site)'s per-slot
-/// rank and per-slice scaling.
-#[derive(Clone, Copy)]
-pub struct SiteView<'a> {
-    pub a: &'a [f32],
-    pub b: &'a [f32],
-    pub in_dim: usize,
-    pub out_dim: usize,
-    /// Distance between Bᵀ rows (≥ `out_dim`, see [`b_row_stride`]).
-    pub b_ld: usize,
-    pub max_rank: usize,
-    pub n_slices: usize,
-    pub offsets: [usize; MAX_SLICES + 1],
-    /// Site rank per slot (0 = skip).
-    pub ranks: &'a [u32],
-    /// `scalings[slot * MAX_SLICES + j]`.
-    pub scalings: &'a [f32],
+fn site_shape(slots: usize, max_rank: usize, in_dim: usize, widths: &[usize]) -> LoraSiteShape {
+    let n = widths.len();
+    let mut offsets = [0; MAX_SLICES + 1];
+    for j in 0..n {
+        offsets[j + 1] = offsets[j] + widths[j];
+    }
+    LoraSiteShape { slots, max_rank, in_dim, n_slices: n, offsets, b_ld: b_row_stride(offsets[n]) }
 }
 
-impl<'a> SiteView<'a> {
-    /// A of slot `w`: `(n·R, in)`; slice `j` of a rank-`r` site at rows `[j·r, (j+1)·r)`.
-    #[inline]
-    pub fn a_slot(&self, w: usize) -> &'a [f32] {
-        let len = self.n_slices * self.max_rank * self.in_dim;
-        &self.a[w * len..(w + 1) * len]
-    }
-    /// Bᵀ of slot `w`: `(R, b_ld)`; rank step `k` of output column `o` at `k·b_ld + o`
-    /// (columns `out_dim..b_ld` are zero padding).
-    #[inline]
-    pub fn b_slot(&self, w: usize) -> &'a [f32] {
-        let len = self.b_ld * self.max_rank;
-        &self.b[w * len..(w + 1) * len]
-    }
-    #[inline]
-    pub fn scaling(&self, w: usize, j: usize) -> f32 {
-        self.scalings[w * MAX_SLICES + j]
-    }
-}
-
-/// Index of the metadata entry for the embedding and the LM head, after the `4·L` sites.
+/// Index of the table entry for the embedding and the LM head, after the `4·L` sites.
 fn embed_entry(l: usize) -> usize {
     4 * l
 }
@@ -131,25 +67,23 @@ fn lm_head_entry(l: usize) -> usize {
 
 pub struct LoraMemoryPool {
     pub dims: LoraModelDims,
+    device: Arc<dyn Device>,
     num_slots: usize,
     max_rank: usize,
     modules: Vec<LoraModule>,
     /// `layer * 4 + site`.
-    sites: Vec<Option<SiteBuffers>>,
-    embed: Option<SiteBuffers>,
-    lm_head: Option<SiteBuffers>,
-    /// `[entry][slot]`.
-    ranks: Vec<u32>,
-    /// `[entry][slot][slice]`.
-    scalings: Vec<f32>,
+    sites: Vec<Option<PoolSite>>,
+    embed: Option<PoolSite>,
+    lm_head: Option<PoolSite>,
+    table: LoraTable,
     owner: Vec<Option<AdapterKey>>,
     pinned: Vec<bool>,
     tracker: EvictionTracker,
 }
 
 impl LoraMemoryPool {
-    /// Allocates every buffer once. `modules` are the targets the pool accepts.
-    pub fn new(dims: LoraModelDims, num_slots: usize, max_rank: usize, modules: &[LoraModule], policy: EvictionPolicy) -> Result<Self> {
+    /// Allocates every buffer once on `device`. `modules` are the targets the pool accepts.
+    pub fn new(device: Arc<dyn Device>, dims: LoraModelDims, num_slots: usize, max_rank: usize, modules: &[LoraModule], policy: EvictionPolicy) -> Result<Self> {
         if num_slots == 0 {
             return Err(LoraError::Invalid("max_loras_per_batch must be at least 1".into()));
         }
@@ -159,35 +93,39 @@ impl LoraMemoryPool {
         let mut mods = modules.to_vec();
         mods.sort();
         mods.dedup();
+        let site = |in_dim: usize, widths: &[usize], ms: &[LoraModule]| {
+            let mut m = [None; MAX_SLICES];
+            for (j, x) in ms.iter().enumerate() {
+                m[j] = Some(*x);
+            }
+            PoolSite { buffers: device.lora_alloc_site(site_shape(num_slots, max_rank, in_dim, widths)), modules: m }
+        };
         let mut sites = Vec::with_capacity(dims.num_layers * 4);
         for _ in 0..dims.num_layers {
-            for site in LinearSite::ALL {
-                let ms = site.modules();
+            for s in LinearSite::ALL {
+                let ms = s.modules();
                 if ms.iter().any(|m| mods.contains(m)) {
-                    let (in_dim, w, n) = dims.site_dims(site);
-                    sites.push(Some(SiteBuffers::new(num_slots, max_rank, in_dim, &w[..n], ms)));
+                    let (in_dim, w, n) = dims.site_dims(s);
+                    sites.push(Some(site(in_dim, &w[..n], ms)));
                 } else {
                     sites.push(None);
                 }
             }
         }
-        let embed = mods
-            .contains(&LoraModule::EmbedTokens)
-            .then(|| SiteBuffers::new(num_slots, max_rank, dims.vocab, &[dims.hidden], &[LoraModule::EmbedTokens]));
-        let lm_head = mods
-            .contains(&LoraModule::LmHead)
-            .then(|| SiteBuffers::new(num_slots, max_rank, dims.hidden, &[dims.vocab], &[LoraModule::LmHead]));
-        let entries = 4 * dims.num_layers + 2;
+        let embed = mods.contains(&LoraModule::EmbedTokens).then(|| site(dims.vocab, &[dims.hidden], &[LoraModule::EmbedTokens]));
+        let lm_head = mods.contains(&LoraModule::LmHead).then(|| site(dims.hidden, &[dims.vocab], &[LoraModule::LmHead]));
+        let mut table = device.lora_alloc_table(4 * dims.num_layers + 2, num_slots);
+        device.lora_sync_table(&mut table);
         Ok(LoraMemoryPool {
             dims,
+            device,
             num_slots,
             max_rank,
             modules: mods,
             sites,
             embed,
             lm_head,
-            ranks: vec![0; entries * num_slots],
-            scalings: vec![0.0; entries * num_slots * MAX_SLICES],
+            table,
             owner: vec![None; num_slots],
             pinned: vec![false; num_slots],
             tracker: EvictionTracker::new(policy, num_slots),
@@ -209,44 +147,37 @@ impl LoraMemoryPool {
     pub fn has_lm_head(&self) -> bool {
         self.lm_head.is_some()
     }
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
     /// Bytes held by all A/B buffers.
     pub fn size_bytes(&self) -> usize {
-        let sb = |s: &SiteBuffers| (s.a.len() + s.b.len()) * 4;
-        self.sites.iter().flatten().map(sb).sum::<usize>() + self.embed.iter().map(sb).sum::<usize>() + self.lm_head.iter().map(sb).sum::<usize>()
+        self.sites.iter().flatten().chain(&self.embed).chain(&self.lm_head).map(|s| s.buffers.size_bytes()).sum()
+    }
+    pub fn table(&self) -> &LoraTable {
+        &self.table
     }
 
-    fn view_of<'a>(&'a self, buf: &'a SiteBuffers, entry: usize) -> SiteView<'a> {
-        let s = self.num_slots;
-        SiteView {
-            a: &buf.a,
-            b: &buf.b,
-            in_dim: buf.in_dim,
-            out_dim: buf.out_dim,
-            b_ld: buf.b_ld,
-            max_rank: self.max_rank,
-            n_slices: buf.n_slices,
-            offsets: buf.offsets,
-            ranks: &self.ranks[entry * s..(entry + 1) * s],
-            scalings: &self.scalings[entry * s * MAX_SLICES..(entry + 1) * s * MAX_SLICES],
-        }
-    }
-
-    /// Kernel view of a linear site, `None` if the pool has no buffers for it.
-    pub fn site_view(&self, layer: usize, site: LinearSite) -> Option<SiteView<'_>> {
+    /// Buffers and table entry of a linear site, `None` if the pool has no buffers for it.
+    pub fn site(&self, layer: usize, site: LinearSite) -> Option<(&LoraSiteBuffers, usize)> {
         let e = layer * 4 + site.index();
-        self.sites.get(e)?.as_ref().map(|b| self.view_of(b, e))
+        self.sites.get(e)?.as_ref().map(|b| (&b.buffers, e))
     }
-    pub fn embedding_view(&self) -> Option<SiteView<'_>> {
-        self.embed.as_ref().map(|b| self.view_of(b, embed_entry(self.dims.num_layers)))
+    pub fn embedding(&self) -> Option<(&LoraSiteBuffers, usize)> {
+        self.embed.as_ref().map(|b| (&b.buffers, embed_entry(self.dims.num_layers)))
     }
-    pub fn lm_head_view(&self) -> Option<SiteView<'_>> {
-        self.lm_head.as_ref().map(|b| self.view_of(b, lm_head_entry(self.dims.num_layers)))
+    pub fn lm_head(&self) -> Option<(&LoraSiteBuffers, usize)> {
+        self.lm_head.as_ref().map(|b| (&b.buffers, lm_head_entry(self.dims.num_layers)))
+    }
+    /// Largest A width of any site's shrink output (`n·R`).
+    pub fn max_shrink_width(&self) -> usize {
+        self.sites.iter().flatten().chain(&self.embed).chain(&self.lm_head).map(|s| s.buffers.shape.shrink_width()).max().unwrap_or(0)
     }
 
     /// Largest site rank of a slot (0 = empty).
     pub fn slot_max_rank(&self, slot: usize) -> u32 {
         let s = self.num_slots;
-        (0..4 * self.dims.num_layers + 2).map(|e| self.ranks[e * s + slot]).max().unwrap_or(0)
+        (0..self.table.entries).map(|e| self.table.ranks[e * s + slot]).max().unwrap_or(0)
     }
 
     // ---- slot ownership -------------------------------------------------------------------
@@ -287,70 +218,70 @@ impl LoraMemoryPool {
             })
     }
 
-    /// Empties a slot (its adapter was unloaded or evicted). Buffers are zeroed on next load;
-    /// ranks go to 0 at once so nothing can read the old weights through this slot.
-    pub fn free_slot(&mut self, slot: usize) {
-        self.owner[slot] = None;
-        self.pinned[slot] = false;
+    fn clear_ranks(&mut self, slot: usize) {
         let s = self.num_slots;
-        for e in 0..4 * self.dims.num_layers + 2 {
-            self.ranks[e * s + slot] = 0;
+        for e in 0..self.table.entries {
+            self.table.ranks[e * s + slot] = 0;
         }
     }
 
+    /// Empties a slot (its adapter was unloaded or evicted). Buffers are zeroed on next load;
+    /// ranks go to 0 at once (on the device too) so nothing can read the old weights through
+    /// this slot.
+    pub fn free_slot(&mut self, slot: usize) {
+        self.owner[slot] = None;
+        self.pinned[slot] = false;
+        self.clear_ranks(slot);
+        self.device.lora_sync_table(&mut self.table);
+    }
+
     /// Copies `adapter` into `slot` (which must have been chosen by [`Self::choose_slot`]),
-    /// zeroing the whole slot first so the zero-tail invariant holds.
+    /// rewriting the whole slot so the zero-tail invariant holds.
     pub fn load(&mut self, slot: usize, key: AdapterKey, adapter: &LoraAdapter) -> Result<()> {
         adapter.check_compatible(self.max_rank, &self.modules)?;
+        self.clear_ranks(slot);
         let s = self.num_slots;
-        let rmax = self.max_rank;
-        let fill = |buf: &mut SiteBuffers, entry: usize, layer: usize, ranks: &mut [u32], scalings: &mut [f32]| {
-            let n = buf.n_slices;
-            let a_len = n * rmax * buf.in_dim;
-            let b_len = buf.b_ld * rmax;
-            let a = &mut buf.a[slot * a_len..(slot + 1) * a_len];
-            let b = &mut buf.b[slot * b_len..(slot + 1) * b_len];
-            a.fill(0.0);
-            b.fill(0.0);
-            let present: [Option<&crate::adapter::ModuleWeights>; MAX_SLICES] =
-                std::array::from_fn(|j| buf.modules[j].and_then(|m| adapter.module(layer, m)));
+        let device = self.device.clone();
+        let table = &mut self.table;
+        let mut fill = |site: &mut PoolSite, entry: usize, layer: usize| {
+            let present: [Option<&crate::adapter::ModuleWeights>; MAX_SLICES] = std::array::from_fn(|j| site.modules[j].and_then(|m| adapter.module(layer, m)));
             let r_site = present.iter().flatten().map(|w| w.rank).max().unwrap_or(0);
-            for j in 0..MAX_SLICES {
-                scalings[(entry * s + slot) * MAX_SLICES + j] = 0.0;
-            }
-            for (j, w) in present.iter().enumerate() {
-                let Some(w) = w else { continue };
-                let rj = w.rank;
-                let row0 = j * r_site;
-                a[row0 * buf.in_dim..(row0 + rj) * buf.in_dim].copy_from_slice(&w.a);
-                let (o0, ld) = (buf.offsets[j], buf.b_ld);
-                for o in 0..(buf.offsets[j + 1] - o0) {
-                    for k in 0..rj {
-                        b[k * ld + o0 + o] = w.b[o * rj + k];
+            let shape = site.buffers.shape;
+            device.lora_write_slot(&mut site.buffers, slot, &mut |a, b| {
+                for (j, w) in present.iter().enumerate() {
+                    let Some(w) = w else { continue };
+                    let rj = w.rank;
+                    let row0 = j * r_site;
+                    a[row0 * shape.in_dim..(row0 + rj) * shape.in_dim].copy_from_slice(&w.a);
+                    let (o0, ld) = (shape.offsets[j], shape.b_ld);
+                    for o in 0..(shape.offsets[j + 1] - o0) {
+                        for k in 0..rj {
+                            b[k * ld + o0 + o] = w.b[o * rj + k];
+                        }
                     }
                 }
-                scalings[(entry * s + slot) * MAX_SLICES + j] = w.scaling;
+            });
+            for (j, w) in present.iter().enumerate() {
+                table.scalings[(entry * s + slot) * MAX_SLICES + j] = w.map_or(0.0, |w| w.scaling);
             }
-            ranks[entry * s + slot] = r_site as u32;
+            table.ranks[entry * s + slot] = r_site as u32;
         };
-        for e in 0..4 * self.dims.num_layers + 2 {
-            self.ranks[e * s + slot] = 0;
-        }
         for layer in 0..self.dims.num_layers {
             for site in LinearSite::ALL {
                 let e = layer * 4 + site.index();
                 if let Some(buf) = self.sites[e].as_mut() {
-                    fill(buf, e, layer, &mut self.ranks, &mut self.scalings);
+                    fill(buf, e, layer);
                 }
             }
         }
         let l = self.dims.num_layers;
         if let Some(buf) = self.embed.as_mut() {
-            fill(buf, embed_entry(l), 0, &mut self.ranks, &mut self.scalings);
+            fill(buf, embed_entry(l), 0);
         }
         if let Some(buf) = self.lm_head.as_mut() {
-            fill(buf, lm_head_entry(l), 0, &mut self.ranks, &mut self.scalings);
+            fill(buf, lm_head_entry(l), 0);
         }
+        self.device.lora_sync_table(&mut self.table);
         self.owner[slot] = Some(key);
         self.pinned[slot] = false;
         self.tracker.inserted(slot);

@@ -5,21 +5,21 @@
 mod common;
 
 use common::*;
-use quiver_kernels::DeviceKind;
-use quiver_lora::backend::{create_backend, LoraInput, Scratch};
+use quiver_kernels::cpu::CpuDevice;
+use quiver_kernels::{DeviceKind, LoraX, Tensor};
+use quiver_lora::backend::create_backend;
 use quiver_lora::batch::RowGrouping;
-use quiver_lora::mem_pool::SiteView;
-use quiver_lora::{AdapterKey, LinearSite, LoraConfig, LoraHook, LoraManager, LoraModule};
+use quiver_lora::{AdapterKey, LinearSite, LoraConfig, LoraHook, LoraManager, LoraModule, SiteRef};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const BACKENDS: [&str; 3] = ["segmented", "chunked", "auto"];
 
-fn run(name: &str, site: &SiteView<'_>, g: &RowGrouping, input: LoraInput<'_>, y0: &[f32]) -> Vec<f32> {
+fn run(name: &str, site: SiteRef<'_>, g: &RowGrouping, input: LoraX<'_>, y0: &[f32]) -> Vec<f32> {
     let b = create_backend(name, DeviceKind::Cpu).unwrap();
-    let mut y = y0.to_vec();
-    b.apply(site, g, input, &mut y, &mut Scratch::default());
-    y
+    let mut y = Tensor::cpu(y0.to_vec());
+    b.apply(&CpuDevice::new(), site, g, input, &mut y);
+    y.as_cpu()[..y0.len()].to_vec()
 }
 
 fn assert_close(what: &str, got: &[f32], want: &[f32], y0: &[f32]) {
@@ -37,30 +37,18 @@ fn check_all(mgr: &LoraManager, rng: &mut StdRng, ids: &[u32], ctx: &str) -> usi
     let info = mgr.batch_info();
     let m = info.tokens.rows();
     let mut checked = 0;
-    let mut views: Vec<(String, SiteView<'_>, &RowGrouping, bool)> = Vec::new();
-    for l in 0..DIMS.num_layers {
-        for s in LinearSite::ALL {
-            if let Some(v) = mgr.pool().site_view(l, s) {
-                views.push((format!("layer {l} {s:?}"), v, &info.tokens, false));
-            }
-        }
-    }
-    if let Some(v) = mgr.pool().embedding_view() {
-        views.push(("embedding".into(), v, &info.tokens, true));
-    }
-    if let Some(v) = mgr.pool().lm_head_view() {
-        views.push(("lm_head".into(), v, &info.logits, false));
-    }
-    for (what, v, g, is_embed) in views {
+    for (what, v, is_embed, on_logits) in pool_sites(mgr) {
+        let g = if on_logits { &info.logits } else { &info.tokens };
         let rows = g.rows();
-        let x: Vec<f32> = (0..rows * v.in_dim).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let y0: Vec<f32> = (0..rows * v.out_dim).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let input = if is_embed { LoraInput::TokenIds(ids) } else { LoraInput::Dense(&x) };
-        let want = run("reference", &v, g, input, &y0);
-        let serial = pool(1).install(|| run("chunked", &v, g, input, &y0));
+        let (din, dout) = (v.buffers.shape.in_dim, v.buffers.shape.out_dim());
+        let x = Tensor::cpu((0..rows * din).map(|_| rng.random_range(-1.0..1.0)).collect());
+        let y0: Vec<f32> = (0..rows * dout).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let input = if is_embed { LoraX::TokenIds(ids) } else { LoraX::Dense(&x) };
+        let want = run("reference", v, g, input, &y0);
+        let serial = pool(1).install(|| run("chunked", v, g, input, &y0));
         for b in BACKENDS {
             for threads in [1, 2, 3] {
-                let got = pool(threads).install(|| run(b, &v, g, input, &y0));
+                let got = pool(threads).install(|| run(b, v, g, input, &y0));
                 assert_close(&format!("{ctx}: {b} {what} (m={m}, {threads} threads)"), &got, &want, &y0);
                 // Bit-identical across backends and thread splits: `auto` may switch backend
                 // between steps and a row's output must not depend on its batch.
@@ -95,7 +83,7 @@ fn backends_match_reference_on_random_batches() {
             backend: "reference".into(),
             ..Default::default()
         };
-        let mut mgr = LoraManager::new(DIMS, cfg, DeviceKind::Cpu).unwrap();
+        let mut mgr = LoraManager::new(DIMS, cfg, quiver_kernels::open_device(DeviceKind::Cpu).unwrap()).unwrap();
         // More adapters than slots, ranks 1..=R (several below R), varied modules.
         let mut keys: Vec<AdapterKey> = Vec::new();
         for i in 0..slots + 3 {
@@ -138,7 +126,7 @@ fn chunk_boundaries_and_segment_lengths() {
     eprintln!("seed {seed}");
     let mut rng = StdRng::seed_from_u64(seed);
     let cfg = LoraConfig { max_loras_per_batch: 3, max_lora_rank: 8, target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
-    let mut mgr = LoraManager::new(DIMS, cfg, DeviceKind::Cpu).unwrap();
+    let mut mgr = LoraManager::new(DIMS, cfg, quiver_kernels::open_device(DeviceKind::Cpu).unwrap()).unwrap();
     let a = mgr.load_adapter("a", simple_adapter("cb", rng.random(), 8, &LoraModule::ALL)).unwrap();
     let b = mgr.load_adapter("b", simple_adapter("cb", rng.random(), 3, &LoraModule::ALL)).unwrap();
     for rows in [1u32, 15, 16, 17, 31, 32, 33, 48, 300] {
@@ -165,11 +153,11 @@ fn slot_reuse_by_smaller_rank_leaks_nothing() {
     let big = simple_adapter("big", rng.random(), 8, &LoraModule::ALL);
     let small = simple_adapter("small", rng.random(), 2, &[LoraModule::KProj, LoraModule::UpProj]);
     let cfg = || LoraConfig { max_loras_per_batch: 1, max_lora_rank: 8, max_loaded_loras: 2, target_modules: LoraModule::ALL.to_vec(), backend: "reference".into(), ..Default::default() };
-    let mut reused = LoraManager::new(DIMS, cfg(), DeviceKind::Cpu).unwrap();
+    let mut reused = LoraManager::new(DIMS, cfg(), quiver_kernels::open_device(DeviceKind::Cpu).unwrap()).unwrap();
     let kb = reused.load_adapter("big", &big).unwrap();
     let ks = reused.load_adapter("small", &small).unwrap();
     reused.prepare_batch(&[Some(kb)], &[0, 5], &[4]).unwrap();
-    let mut fresh = LoraManager::new(DIMS, cfg(), DeviceKind::Cpu).unwrap();
+    let mut fresh = LoraManager::new(DIMS, cfg(), quiver_kernels::open_device(DeviceKind::Cpu).unwrap()).unwrap();
     let kf = fresh.load_adapter("small", &small).unwrap();
     let rows = 5usize;
     let x_q: Vec<f32> = (0..rows * 64).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -182,21 +170,15 @@ fn slot_reuse_by_smaller_rank_leaks_nothing() {
             let info = mgr.batch_info();
             let b = create_backend(backend, DeviceKind::Cpu).unwrap();
             let mut all = Vec::new();
-            let mut views: Vec<(SiteView<'_>, &RowGrouping, bool)> = Vec::new();
-            for l in 0..DIMS.num_layers {
-                for s in LinearSite::ALL {
-                    views.push((mgr.pool().site_view(l, s).unwrap(), &info.tokens, false));
-                }
-            }
-            views.push((mgr.pool().embedding_view().unwrap(), &info.tokens, true));
-            views.push((mgr.pool().lm_head_view().unwrap(), &info.logits, false));
-            for (v, g, emb) in views {
-                let mut y = vec![0.0f32; g.rows() * v.out_dim];
-                let x = &x_q[..g.rows() * v.in_dim.min(64)];
-                let xfull: Vec<f32> = (0..g.rows() * v.in_dim).map(|i| x[i % x.len()]).collect();
-                let input = if emb { LoraInput::TokenIds(&ids) } else { LoraInput::Dense(&xfull) };
-                b.apply(&v, g, input, &mut y, &mut Scratch::default());
-                all.push(y);
+            for (_, v, emb, on_logits) in pool_sites(mgr) {
+                let g = if on_logits { &info.logits } else { &info.tokens };
+                let (din, dout) = (v.buffers.shape.in_dim, v.buffers.shape.out_dim());
+                let mut y = Tensor::zeros_cpu(g.rows() * dout);
+                let x = &x_q[..g.rows() * din.min(64)];
+                let xfull = Tensor::cpu((0..g.rows() * din).map(|i| x[i % x.len()]).collect());
+                let input = if emb { LoraX::TokenIds(&ids) } else { LoraX::Dense(&xfull) };
+                b.apply(&CpuDevice::new(), v, g, input, &mut y);
+                all.push(y.as_cpu()[..g.rows() * dout].to_vec());
             }
             outs.push(all);
         }
@@ -220,7 +202,7 @@ fn slot_reuse_by_smaller_rank_leaks_nothing() {
 fn batch_hook_touches_only_adapter_rows() {
     let mut rng = StdRng::seed_from_u64(fresh_seed());
     let cfg = LoraConfig { max_loras_per_batch: 2, max_lora_rank: 4, target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
-    let mut mgr = LoraManager::new(DIMS, cfg, DeviceKind::Cpu).unwrap();
+    let mut mgr = LoraManager::new(DIMS, cfg, quiver_kernels::open_device(DeviceKind::Cpu).unwrap()).unwrap();
     let a = mgr.load_adapter("a", simple_adapter("hook", rng.random(), 4, &LoraModule::ALL)).unwrap();
     let hook = mgr.prepare_batch(&[None, Some(a), None], &[0, 2, 5, 6], &[1, 4, 5]).unwrap();
     assert!(hook.is_active());

@@ -195,7 +195,7 @@ fn unprefixed_names_and_rank_pattern_tensors_load() {
 #[test]
 fn pool_incompatibility_names_adapter_and_module() {
     let cfg = LoraConfig { max_lora_rank: 4, target_modules: vec![LoraModule::QProj, LoraModule::VProj], ..Default::default() };
-    let mut mgr = LoraManager::new(DIMS, cfg, DeviceKind::Cpu).unwrap();
+    let mut mgr = LoraManager::new(DIMS, cfg, quiver_kernels::open_device(DeviceKind::Cpu).unwrap()).unwrap();
     let e = mgr.load_adapter("big", simple_adapter("r", 1, 8, &[LoraModule::QProj])).unwrap_err().to_string();
     assert!(e.contains("`big`") && e.contains("q_proj") && e.contains("max_lora_rank"), "{e}");
     let e = mgr.load_adapter("mlp", simple_adapter("m", 2, 4, &[LoraModule::DownProj])).unwrap_err().to_string();
@@ -211,8 +211,11 @@ fn backend_registry_validates_per_device() {
     assert!(validate_backend("chunked", DeviceKind::Cpu).is_ok());
     let e = validate_backend("triton", DeviceKind::Cpu).unwrap_err();
     assert!(e.contains("triton") && e.contains("auto, segmented, chunked, reference"), "{e}");
-    let e = validate_backend("chunked", DeviceKind::Cuda(0)).unwrap_err();
-    assert!(e.contains("cuda:0"), "{e}");
+    // CUDA runs the policies on its own kernels; the host-memory oracle is CPU only.
+    assert_eq!(backend_names(DeviceKind::Cuda(0)), vec!["auto", "segmented", "chunked"]);
+    assert!(validate_backend("chunked", DeviceKind::Cuda(0)).is_ok());
+    let e = validate_backend("reference", DeviceKind::Cuda(0)).unwrap_err();
+    assert!(e.contains("`reference` does not support device cuda:0") && e.contains("auto, segmented, chunked"), "{e}");
     let cfg = LoraConfig { backend: "nope".into(), ..Default::default() };
-    assert!(LoraManager::new(DIMS, cfg, DeviceKind::Cpu).is_err());
+    assert!(LoraManager::new(DIMS, cfg, quiver_kernels::open_device(DeviceKind::Cpu).unwrap()).is_err());
 }

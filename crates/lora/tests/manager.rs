@@ -8,7 +8,7 @@ use quiver_lora::{AdapterKey, EvictionPolicy, LoraConfig, LoraError, LoraManager
 
 fn mgr(slots: usize, policy: EvictionPolicy, max_loaded: usize) -> LoraManager {
     let cfg = LoraConfig { max_loras_per_batch: slots, max_lora_rank: 4, max_loaded_loras: max_loaded, eviction_policy: policy, ..Default::default() };
-    LoraManager::new(DIMS, cfg, DeviceKind::Cpu).unwrap()
+    LoraManager::new(DIMS, cfg, quiver_kernels::open_device(DeviceKind::Cpu).unwrap()).unwrap()
 }
 
 fn load(m: &mut LoraManager, name: &str, seed: u64) -> AdapterKey {
@@ -88,14 +88,14 @@ fn host_cache_evicts_and_reloads_from_disk() {
     let mut m = mgr(1, EvictionPolicy::Lru, 1);
     let a = load(&mut m, "a", 1);
     run(&mut m, &[a]);
-    let slot_a: Vec<f32> = m.pool().site_view(0, quiver_lora::LinearSite::Qkv).unwrap().a_slot(0).to_vec();
+    let slot_a: Vec<f32> = m.pool().site(0, quiver_lora::LinearSite::Qkv).unwrap().0.a_slot(0).to_vec();
     let b = load(&mut m, "b", 2);
     assert!(!m.in_host_memory(a) && m.in_host_memory(b));
     run(&mut m, &[b]);
     assert!(!m.is_resident(a));
     run(&mut m, &[a]); // reloaded from its path
     assert!(m.is_resident(a) && m.in_host_memory(a) && !m.in_host_memory(b));
-    assert_eq!(m.pool().site_view(0, quiver_lora::LinearSite::Qkv).unwrap().a_slot(0), &slot_a[..]);
+    assert_eq!(m.pool().site(0, quiver_lora::LinearSite::Qkv).unwrap().0.a_slot(0), &slot_a[..]);
     // A weights file rewritten on disk is not silently served under the old version.
     run(&mut m, &[b]);
     let path = m.adapters().iter().find(|i| i.key == a).unwrap().path.clone();

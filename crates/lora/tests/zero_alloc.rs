@@ -40,7 +40,7 @@ static A: Counting = Counting;
 fn steady_state_steps_do_not_allocate() {
     for backend in ["reference", "segmented", "chunked", "auto"] {
         let cfg = LoraConfig { max_loras_per_batch: 3, max_lora_rank: 8, target_modules: LoraModule::ALL.to_vec(), backend: backend.into(), ..Default::default() };
-        let mut m = LoraManager::new(DIMS, cfg, DeviceKind::Cpu).unwrap();
+        let mut m = LoraManager::new(DIMS, cfg, quiver_kernels::open_device(DeviceKind::Cpu).unwrap()).unwrap();
         let a = m.load_adapter("a", simple_adapter("za", 1, 8, &LoraModule::ALL)).unwrap();
         let b = m.load_adapter("b", simple_adapter("zb", 2, 3, &LoraModule::ALL)).unwrap();
         // A prefill and a decode batch, alternating, on one thread; then a big prefill on the

@@ -198,11 +198,13 @@ impl LlamaModel {
             block_table_stride: batch.block_table_stride,
         };
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        d.stage_batch(&batch.tokens, &attn_batch, &batch.logits_rows);
+        d.stage_batch(&batch.tokens, &attn_batch, &batch.logits_rows, &lora.staged());
 
-        // Launches depend only on the batch's layout, so equal layouts may replay a recording
-        // (CUDA graphs). Host-staged LoRA copies mid-step, so it always runs eagerly.
-        let shape = (!lora_on).then(|| batch.shape_key());
+        // Launches depend only on the batch's layout (and on whether LoRA kernels run, and on the
+        // head), so equal layouts may replay a recording (CUDA graphs): which adapters the rows
+        // use is data.
+        let head_key = if head_kind == Head::Hidden { 0x9E37_79B9_7F4A_7C15 } else { 0 };
+        let shape = Some(batch.shape_key() ^ lora.shape_key() ^ head_key);
         d.run_step(m, shape, &mut || {
             d.embedding(&self.embed, &batch.tokens, &mut ws.x);
             if lora_on {

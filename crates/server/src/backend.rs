@@ -22,15 +22,24 @@ pub struct GenRequest {
     pub logprobs: Option<usize>,
     /// Completions sampled from this prompt; events carry `index` in `0..n`.
     pub n: usize,
+    /// Score the prompt: logprobs of prompt tokens `1..` with this many top alternatives
+    /// (an [`Event::PromptLogprobs`] before the first token). With it `max_tokens` may be 0.
+    pub prompt_logprobs: Option<usize>,
+    pub min_tokens: usize,
+    pub include_stop_str_in_output: bool,
+    pub skip_special_tokens: bool,
+    pub constraint: Option<quiver_engine::Constraint>,
 }
 
 // The engine's own event payload types: the HTTP layer renders them as they are.
-pub use quiver_engine::{FinishReason, TokenLogprob};
+pub use quiver_engine::{FinishReason, StopReason, TokenLogprob};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     Token { index: usize, token_id: u32, text: String, logprob: Option<TokenLogprob> },
-    Finished { index: usize, reason: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    /// Logprobs of prompt tokens `1..`, once, before the first token.
+    PromptLogprobs(Vec<TokenLogprob>),
+    Finished { index: usize, reason: FinishReason, stop_reason: Option<StopReason>, prompt_tokens: usize, completion_tokens: usize },
     Error(String),
 }
 
@@ -61,6 +70,9 @@ pub enum SubmitError {
     TooLong { prompt: usize, completion: usize, needed: usize, max: usize },
     #[error("{0}")]
     Invalid(String),
+    /// The structured-output constraint does not compile.
+    #[error("{0}")]
+    InvalidConstraint(String),
     #[error("the server is shutting down")]
     ShuttingDown,
 }
@@ -122,11 +134,20 @@ pub trait Backend: Send + Sync + 'static {
     /// Architecture name, for `/get_model_info`.
     fn model_type(&self) -> String;
     fn max_model_len(&self) -> usize;
+    /// The most bytes of text one token stands for: text longer than this times
+    /// `max_model_len` is refused without tokenizing it.
+    fn max_token_bytes(&self) -> usize;
+    /// Requests the engine queues at most (a request with more prompts can never be taken).
+    fn max_queued_requests(&self) -> usize;
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String>;
     /// Text of one token for logprob reports.
     fn token_text(&self, id: u32) -> String;
+    /// Text of a token sequence (special tokens kept), for echoing token-id prompts.
+    fn decode(&self, ids: &[u32]) -> String;
     fn has_chat_template(&self) -> bool;
-    fn render_chat(&self, messages: &[quiver_model::chat::ChatMessage], add_generation_prompt: bool) -> Result<String, String>;
+    /// Renders the chat template; `extra` are further template variables (`documents`,
+    /// `chat_template_kwargs`), `template` a request's own template source.
+    fn render_chat(&self, messages: &[quiver_model::chat::ChatMessage], add_generation_prompt: bool, extra: serde_json::Map<String, serde_json::Value>, template: Option<&str>) -> Result<String, String>;
     fn submit(&self, req: GenRequest) -> Result<EventStream, SubmitError>;
     fn load_adapter(&self, name: &str, path: &std::path::Path, pinned: bool, load_inplace: bool, expected_version: Option<u64>) -> Result<AdapterInfo, AdapterError>;
     fn unload_adapter(&self, name: &str) -> Result<(), AdapterError>;

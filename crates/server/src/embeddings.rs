@@ -96,7 +96,8 @@ pub(crate) async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Byt
     let mut inputs = Vec::with_capacity(items.len());
     for (i, it) in items.into_iter().enumerate() {
         let mut ids = match it {
-            Item::Text(t) => st.backend.encode(&format!("{prompt}{t}"), add_special).map_err(|e| ApiError::bad_request(format!("tokenization failed: {e}")))?,
+            // On the tokenizer pool, after its length bound, like every other route.
+            Item::Text(t) => crate::tokenize::encode(&st, "input", &format!("{prompt}{t}"), add_special).await?,
             Item::Ids(ids) => ids,
         };
         if let Some(k) = truncate {

@@ -13,12 +13,20 @@ use crate::backend::*;
 pub struct EngineBackend {
     pub handle: EngineHandle,
     model_type: String,
+    max_token_bytes: usize,
+}
+
+/// The longest text any single token decodes to, plus one byte for the space a SentencePiece
+/// piece may stand for but not decode to on its own.
+fn max_token_bytes(t: &quiver_model::tokenizer::Tokenizer) -> usize {
+    (0..t.vocab_size() as u32).map(|id| t.decode(&[id], false).map_or(0, |s| s.len())).max().unwrap_or(0).max(1) + 1
 }
 
 impl EngineBackend {
     pub fn start(model: LoadedModel, cfg: EngineConfig) -> anyhow::Result<Self> {
         let model_type = format!("{:?}", model.model.config.arch).to_lowercase();
-        Ok(EngineBackend { handle: Engine::start(model, cfg)?, model_type })
+        let max_token_bytes = max_token_bytes(&model.tokenizer);
+        Ok(EngineBackend { handle: Engine::start(model, cfg)?, model_type, max_token_bytes })
     }
 
     /// Adapters from the command line: operator-given paths, not sandboxed.
@@ -36,7 +44,8 @@ fn conv_event(e: StreamEvent) -> Event {
         StreamEvent::Token { index, token_id, text, logprob } => {
             Event::Token { index, token_id, text, logprob }
         }
-        StreamEvent::Finished { index, reason, prompt_tokens, completion_tokens } => Event::Finished { index, reason, prompt_tokens, completion_tokens },
+        StreamEvent::PromptLogprobs(l) => Event::PromptLogprobs(l),
+        StreamEvent::Finished { index, reason, stop_reason, prompt_tokens, completion_tokens } => Event::Finished { index, reason, stop_reason, prompt_tokens, completion_tokens },
         StreamEvent::Error(s) => Event::Error(s),
     }
 }
@@ -48,6 +57,7 @@ fn conv_submit_err(e: quiver_engine::SubmitError) -> SubmitError {
         E::UnknownAdapter(a) => SubmitError::UnknownAdapter(a),
         E::PromptTooLong { prompt_tokens, max_tokens, max_model_len } => SubmitError::TooLong { prompt: prompt_tokens, completion: max_tokens, needed: prompt_tokens + max_tokens, max: max_model_len },
         E::Invalid(m) => SubmitError::Invalid(m),
+        E::InvalidConstraint(m) => SubmitError::InvalidConstraint(m),
         E::ShuttingDown => SubmitError::ShuttingDown,
     }
 }
@@ -71,6 +81,12 @@ impl Backend for EngineBackend {
     fn max_model_len(&self) -> usize {
         self.handle.max_model_len()
     }
+    fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
+    }
+    fn max_queued_requests(&self) -> usize {
+        self.handle.config().max_queued_requests
+    }
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
         self.handle.tokenizer().encode(text, add_special_tokens).map_err(|e| e.to_string())
     }
@@ -80,9 +96,21 @@ impl Backend for EngineBackend {
     fn has_chat_template(&self) -> bool {
         self.handle.tokenizer().chat_template().is_some()
     }
-    fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, String> {
-        let t = self.handle.tokenizer().chat_template().ok_or("this model has no chat template")?;
-        t.render(messages, add_generation_prompt).map_err(|e| format!("{e:#}"))
+    fn decode(&self, ids: &[u32]) -> String {
+        self.handle.tokenizer().decode(ids, false).unwrap_or_default()
+    }
+    fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool, extra: serde_json::Map<String, serde_json::Value>, template: Option<&str>) -> Result<String, String> {
+        let tok = self.handle.tokenizer();
+        let own;
+        let t = match template {
+            Some(src) => {
+                let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i));
+                own = quiver_model::chat::ChatTemplate::new(src, name(tok.bos_token_id()), name(tok.eos_token_ids().first().copied())).map_err(|e| format!("{e:#}"))?;
+                &own
+            }
+            None => tok.chat_template().ok_or("this model has no chat template")?,
+        };
+        t.render_with(messages, add_generation_prompt, extra).map_err(|e| format!("{e:#}"))
     }
     fn submit(&self, r: GenRequest) -> Result<EventStream, SubmitError> {
         let n = r.n;
@@ -96,6 +124,11 @@ impl Backend for EngineBackend {
             ignore_eos: r.ignore_eos,
             logprobs: r.logprobs,
             n,
+            prompt_logprobs: r.prompt_logprobs,
+            min_tokens: r.min_tokens,
+            include_stop_str_in_output: r.include_stop_str_in_output,
+            skip_special_tokens: r.skip_special_tokens,
+            constraint: r.constraint,
         };
         let rs = self.handle.submit(req).map_err(conv_submit_err)?;
         // Ends after every sample finished, even if the engine keeps its sender a while.
@@ -135,8 +168,11 @@ impl Backend for EngineBackend {
             preemptions: s.preemptions,
         }
     }
+    /// Waits for the engine thread to end: it owns the model and the LoRA pool, and on a GPU the
+    /// process must not exit (tearing the CUDA driver down) while that thread still frees device
+    /// memory (the H200 check saw a segfault after "quiver: stopped" without this).
     fn shutdown(&self) {
-        self.handle.shutdown();
+        self.handle.shutdown_and_join();
     }
     fn embedding_info(&self) -> Option<quiver_model::EmbeddingSpec> {
         self.handle.embedding_spec().cloned()

@@ -4,6 +4,7 @@
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::options::{self, OutputOptions};
 use quiver_engine::SamplingParams;
 use quiver_model::chat::ChatMessage;
 
@@ -45,7 +46,7 @@ impl<'a> Fields<'a> {
     pub fn nested(m: &'a Map<String, Value>, prefix: &'static str) -> Self {
         Fields { m, prefix }
     }
-    fn name(&self, k: &str) -> String {
+    pub fn name(&self, k: &str) -> String {
         format!("{}{k}", self.prefix)
     }
     fn wrong(&self, k: &str, want: &str, v: &Value) -> ApiError {
@@ -138,6 +139,9 @@ pub struct Common {
     pub ignore_eos: bool,
     pub stream: bool,
     pub include_usage: bool,
+    pub out: OutputOptions,
+    /// Structured output, with the field that asked for it.
+    pub constraint: Option<crate::structured::Named>,
 }
 
 fn range_err(name: &str, want: &str, got: impl std::fmt::Display) -> ApiError {
@@ -195,7 +199,8 @@ pub fn parse_common(f: &Fields, max_tokens_keys: &[&str], default_temperature: f
     let mut max_tokens = None;
     for &k in max_tokens_keys {
         if let Some(v) = f.i64(k)? {
-            if v < 1 {
+            // 0 is meaningful only with `echo` (score the prompt); each route checks that.
+            if v < 0 {
                 return Err(range_err(&nm(k), "at least 1", v));
             }
             max_tokens = Some(v as usize);
@@ -217,11 +222,32 @@ pub fn parse_common(f: &Fields, max_tokens_keys: &[&str], default_temperature: f
     let stop_token_ids = f.u32_list("stop_token_ids")?;
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
     let stream = f.bool("stream")?.unwrap_or(false);
+    let mut out = options::parse_output_options(f, &["min_tokens", "min_new_tokens"])?;
+    (s.logit_bias, s.allowed_token_ids) = options::parse_token_constraints(f)?;
     let include_usage = match f.object("stream_options")? {
-        Some(o) => Fields::nested(o, "stream_options.").bool("include_usage")?.unwrap_or(false),
+        Some(_) if !stream => return Err(ApiError::field(&nm("stream_options"), format!("`{}` can only be given when `stream` is true", nm("stream_options")))),
+        Some(o) => {
+            let of = Fields::nested(o, "stream_options.");
+            out.continuous_usage_stats = of.bool("continuous_usage_stats")?.unwrap_or(false);
+            of.bool("include_usage")?.unwrap_or(false)
+        }
         None => false,
     };
-    Ok(Common { sampling: s, max_tokens, n, stop, stop_token_ids, ignore_eos, stream, include_usage })
+    if let Some(m) = max_tokens {
+        if out.min_tokens > m {
+            return Err(range_err(&nm("min_tokens"), &format!("at most max_tokens ({m})"), out.min_tokens));
+        }
+    }
+    let constraint = crate::structured::parse_constraint(f)?;
+    Ok(Common { sampling: s, max_tokens, n, stop, stop_token_ids, ignore_eos, stream, include_usage, out, constraint })
+}
+
+/// 400 unless `max_tokens` is at least 1 (routes without `echo`).
+fn require_max_tokens(c: &Common, key: &str) -> Result<(), ApiError> {
+    match c.max_tokens {
+        Some(0) => Err(range_err(key, "at least 1", 0)),
+        _ => Ok(()),
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -238,6 +264,9 @@ pub struct CompletionRequest {
     pub common: Common,
     pub logprobs: Option<usize>,
     pub echo: bool,
+    pub prompt_logprobs: Option<usize>,
+    pub add_special_tokens: bool,
+    pub request_id: Option<String>,
 }
 
 /// `prompt`: a string, a list of strings, a list of token ids, or a list of lists of ids.
@@ -277,9 +306,11 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
         Some(v) => return Err(range_err("logprobs", &format!("between 0 and {MAX_LOGPROBS}"), v)),
     };
     let echo = f.bool("echo")?.unwrap_or(false);
-    if echo && common.stream {
-        return Err(ApiError::field("echo", "`echo` is not supported together with `stream`"));
+    if !echo {
+        require_max_tokens(&common, "max_tokens")?;
     }
+    let prompt_logprobs = options::parse_prompt_logprobs(&f, common.stream)?;
+    options::refuse_unsupported(&f, false)?;
     if f.get("suffix").is_some() {
         return Err(ApiError::field("suffix", "`suffix` is not supported"));
     }
@@ -288,7 +319,9 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
             return Err(ApiError::field("best_of", "`best_of` other than 1 or `n` is not supported"));
         }
     }
-    Ok(CompletionRequest { model, lora_path, prompts, common, logprobs, echo })
+    let add_special_tokens = f.bool("add_special_tokens")?.unwrap_or(true);
+    let request_id = f.str("request_id")?.map(str::to_string);
+    Ok(CompletionRequest { model, lora_path, prompts, common, logprobs, echo, prompt_logprobs, add_special_tokens, request_id })
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -300,6 +333,16 @@ pub struct ChatRequest {
     pub logprobs: bool,
     pub top_logprobs: usize,
     pub add_generation_prompt: bool,
+    /// Render the final (assistant) message open-ended, for the model to continue it.
+    pub continue_final_message: bool,
+    /// Prefix the reply with the last message's content when that is the assistant's.
+    pub echo: bool,
+    pub add_special_tokens: bool,
+    pub prompt_logprobs: Option<usize>,
+    /// Template variables: `documents` and `chat_template_kwargs`.
+    pub template_vars: Map<String, Value>,
+    pub chat_template: Option<String>,
+    pub request_id: Option<String>,
 }
 
 /// Message content: a string, or a list of `{"type": "text", "text": ...}` parts (joined).
@@ -353,8 +396,41 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     if top_logprobs > 0 && !logprobs {
         return Err(ApiError::field("top_logprobs", "`top_logprobs` requires `logprobs` to be true"));
     }
-    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
-    Ok(ChatRequest { model, lora_path, messages, common, logprobs, top_logprobs, add_generation_prompt })
+    require_max_tokens(&common, if f.get("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" })?;
+    options::refuse_unsupported(&f, true)?;
+    let continue_final_message = f.bool("continue_final_message")?.unwrap_or(false);
+    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(!continue_final_message);
+    if continue_final_message && add_generation_prompt {
+        return Err(ApiError::field("continue_final_message", "Cannot set both `continue_final_message` and `add_generation_prompt` to true"));
+    }
+    let prompt_logprobs = options::parse_prompt_logprobs(&f, common.stream)?;
+    let mut template_vars = Map::new();
+    if let Some(kw) = f.object("chat_template_kwargs")? {
+        template_vars.extend(kw.clone());
+    }
+    match f.get("documents") {
+        None => {}
+        Some(d @ Value::Array(_)) => {
+            template_vars.insert("documents".into(), d.clone());
+        }
+        Some(v) => return Err(ApiError::field("documents", format!("`documents` must be a list of objects, got {}", kind(v)))),
+    }
+    Ok(ChatRequest {
+        model,
+        lora_path,
+        messages,
+        common,
+        logprobs,
+        top_logprobs,
+        add_generation_prompt,
+        continue_final_message,
+        echo: f.bool("echo")?.unwrap_or(false),
+        add_special_tokens: f.bool("add_special_tokens")?.unwrap_or(false),
+        prompt_logprobs,
+        template_vars,
+        chat_template: f.str("chat_template")?.map(str::to_string),
+        request_id: f.str("request_id")?.map(str::to_string),
+    })
 }
 
 /// SGLang's native `/generate`.
@@ -376,6 +452,7 @@ pub fn parse_generate(body: &[u8]) -> Result<GenerateRequest, ApiError> {
         (Some(_), Some(_)) => return Err(ApiError::field("text", "give either `text` or `input_ids`, not both")),
         (Some(v @ Value::String(_)), None) => (parse_prompt(Some(v), "text")?, false),
         (Some(v), None) => (parse_prompt(Some(v), "text")?, true),
+        (None, Some(Value::String(_))) => return Err(ApiError::field("input_ids", "`input_ids` must be a list of token ids or a list of lists of token ids, got a string (send text in `text`)")),
         (None, Some(v)) => {
             let batched = matches!(v, Value::Array(a) if a.first().is_some_and(Value::is_array));
             (parse_prompt(Some(v), "input_ids")?, batched)
@@ -386,6 +463,8 @@ pub fn parse_generate(body: &[u8]) -> Result<GenerateRequest, ApiError> {
     let sp = f.object("sampling_params")?.unwrap_or(&empty);
     let sf = Fields::nested(sp, "sampling_params.");
     let mut common = parse_common(&sf, &["max_new_tokens"], 1.0)?;
+    require_max_tokens(&common, "sampling_params.max_new_tokens")?;
+    options::refuse_unsupported(&sf, false)?;
     common.stream = f.bool("stream")?.unwrap_or(false);
     let lora_path = match f.get("lora_path") {
         None => None,
@@ -466,7 +545,15 @@ mod tests {
             (r#"{"prompt":"x","stream":"yes"}"#, "stream"),
             (r#"{"prompt":"x","logprobs":50}"#, "logprobs"),
             (r#"{"prompt":"x","presence_penalty":3}"#, "presence_penalty"),
-            (r#"{"prompt":"x","stream_options":{"include_usage":1}}"#, "stream_options.include_usage"),
+            (r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":1}}"#, "stream_options.include_usage"),
+            (r#"{"prompt":"x","stream_options":{"include_usage":true}}"#, "stream_options"),
+            (r#"{"prompt":"x","max_tokens":0}"#, "max_tokens"),
+            (r#"{"prompt":"x","min_tokens":5,"max_tokens":2}"#, "min_tokens"),
+            (r#"{"prompt":"x","prompt_logprobs":21}"#, "prompt_logprobs"),
+            (r#"{"prompt":"x","stream":true,"prompt_logprobs":2}"#, "prompt_logprobs"),
+            (r#"{"prompt":"x","logit_bias":{"a":1}}"#, "logit_bias"),
+            (r#"{"prompt":"x","truncate_prompt_tokens":0}"#, "truncate_prompt_tokens"),
+            (r#"{"prompt":"x","guided_json":5}"#, "guided_json"),
         ] {
             let e = err(parse_completion(body.as_bytes()));
             assert_eq!(e.status.as_u16(), 400, "{body}");

@@ -22,10 +22,12 @@ use futures::{Stream, StreamExt};
 use serde_json::{json, Map, Value};
 
 use crate::adapters::{on_demand_dir, resolve_adapter_path, PathError};
-use crate::backend::{AdapterError, AdapterInfo, Backend, Event, EventStream, FinishReason, GenRequest};
+use crate::backend::{AdapterError, AdapterInfo, Backend, Event, EventStream, FinishReason, GenRequest, StopReason, TokenLogprob};
+use crate::limits::{adapter_name_error, check_adapter_name, shown_path};
+use crate::shutdown::{cut_error, until_cut, StreamCut};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::request::{self, Common, ModelRef, Prompt};
+use crate::request::{self, Common, ModelRef};
 
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -66,6 +68,8 @@ pub struct AppState {
     next_id: AtomicU64,
     /// Serialises adapter loads/unloads so check-then-load is atomic for the HTTP layer.
     adapter_lock: tokio::sync::Mutex<()>,
+    /// Fired when the shutdown grace is over: running streams end with an error.
+    pub cut: StreamCut,
 }
 
 impl AppState {
@@ -78,6 +82,7 @@ impl AppState {
             in_flight: AtomicUsize::new(0),
             next_id: AtomicU64::new(0),
             adapter_lock: tokio::sync::Mutex::new(()),
+            cut: StreamCut::default(),
         })
     }
     pub fn served(&self) -> &str {
@@ -97,7 +102,11 @@ impl AppState {
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         InFlight(self.clone())
     }
-    fn new_id(&self, prefix: &str) -> String {
+    /// A response id; a client's `request_id` (vLLM) is used as given after the prefix.
+    pub(crate) fn new_id(&self, prefix: &str, request_id: Option<&str>) -> String {
+        if let Some(r) = request_id {
+            return format!("{prefix}-{r}");
+        }
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         format!("{prefix}-{:x}{:08x}", t & 0xffff_ffff_ffff, n)
@@ -113,21 +122,22 @@ impl Drop for InFlight {
     }
 }
 
-fn now_secs() -> u64 {
+pub(crate) fn now_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 pub fn router(st: Arc<AppState>) -> Router {
     let limit = st.cfg.max_body_bytes;
     Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(crate::completions::completions))
+        .route("/v1/chat/completions", post(crate::chat::chat_completions))
         .route("/v1/models", get(list_models))
         .route("/v1/embeddings", post(crate::embeddings::embeddings))
+        .route("/v1/models/{id}", get(get_model))
         .route("/v1/load_lora_adapter", post(v1_load))
         .route("/v1/unload_lora_adapter", post(v1_unload))
         .route("/v1/lora_adapters", get(list_adapters))
-        .route("/generate", post(generate))
+        .route("/generate", post(crate::sglang::generate))
         .route("/load_lora_adapter", post(sgl_load))
         .route("/unload_lora_adapter", post(sgl_unload))
         .route("/health", get(health))
@@ -145,23 +155,34 @@ pub fn router(st: Arc<AppState>) -> Router {
 async fn guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let path = req.uri().path().to_string();
     let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_string()).unwrap_or_else(|| "other".into());
+    // Refused before the body is read: tell the client this connection ends here, or the
+    // unread body left on it would make its next keep-alive request fail.
+    let has_body = req.headers().get(header::CONTENT_LENGTH).is_some_and(|v| v.as_bytes() != b"0") || req.headers().contains_key(header::TRANSFER_ENCODING);
+    let refuse = |e: ApiError| {
+        st.metrics.http(&route, e.status.as_u16());
+        let mut r = e.into_response();
+        if has_body {
+            r.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+        }
+        r
+    };
     if let Some(key) = &st.cfg.api_key {
         if path != "/health" {
+            // The auth scheme is case-insensitive (RFC 7235).
             let ok = req
                 .headers()
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .is_some_and(|k| constant_time_eq(k.trim().as_bytes(), key.as_bytes()));
+                .and_then(|v| v.trim_start().split_once(' '))
+                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                .is_some_and(|(_, k)| constant_time_eq(k.trim().as_bytes(), key.as_bytes()));
             if !ok {
-                st.metrics.http(&route, 401);
-                return ApiError::new(StatusCode::UNAUTHORIZED, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)").into_response();
+                return refuse(ApiError::new(StatusCode::UNAUTHORIZED, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)"));
             }
         }
     }
     if st.is_shutting_down() && path != "/metrics" {
-        st.metrics.http(&route, 503);
-        return ApiError::unavailable().into_response();
+        return refuse(ApiError::unavailable());
     }
     let resp = next.run(req).await;
     st.metrics.http(&route, resp.status().as_u16());
@@ -186,6 +207,10 @@ pub(crate) async fn resolve_adapter(st: &Arc<AppState>, model: Option<&str>, lor
         ModelRef::Base => return Ok(None),
         ModelRef::Adapter(name) => name,
     };
+    if let Some(why) = adapter_name_error(&name) {
+        let param = if lora_path.is_some_and(|l| l.trim() == name) { "lora_path" } else { "model" };
+        return Err(ApiError::field(param, format!("`{param}` does not name a valid adapter: {why}")));
+    }
     let not_found = || ApiError::model_not_found(if shown.is_empty() || st.cfg.served_model_names.iter().any(|s| s == shown) { &name } else { shown });
     if st.backend.adapters().iter().any(|a| a.name == name) {
         return Ok(Some(name));
@@ -205,7 +230,7 @@ pub(crate) async fn resolve_adapter(st: &Arc<AppState>, model: Option<&str>, lor
     let r = tokio::task::spawn_blocking(move || b.load_adapter(&n2, &dir, false, false, None)).await.map_err(|e| ApiError::internal(e.to_string()))?;
     match r {
         Ok(info) => {
-            tracing::info!(adapter = %info.name, path = %info.path.display(), "loaded on demand");
+            tracing::info!(adapter = %info.name, path = %shown_path(st.cfg.lora_dir.as_deref(), &info.path), "loaded on demand");
             Ok(Some(name))
         }
         Err(AdapterError::AlreadyLoaded(_)) => Ok(Some(name)),
@@ -251,12 +276,13 @@ impl Stream for Tracked {
                         *slot = Some(now);
                     }
                 }
-                Event::Finished { index, reason, prompt_tokens, completion_tokens } => {
+                Event::Finished { index, reason, prompt_tokens, completion_tokens, .. } => {
                     if let Some(d) = this.done.get_mut(*index).filter(|d| !**d) {
                         *d = true;
                         this.st.metrics.finished(&this.adapter, Some(*reason), *prompt_tokens, *completion_tokens, now - this.start);
                     }
                 }
+                Event::PromptLogprobs(_) => {}
                 Event::Error(_) => {
                     for d in this.done.iter_mut().filter(|d| !**d) {
                         *d = true;
@@ -280,20 +306,51 @@ impl Drop for Tracked {
     }
 }
 
-type Merged = Pin<Box<dyn Stream<Item = (usize, Event)> + Send>>;
+pub(crate) type Merged = Pin<Box<dyn Stream<Item = (usize, Event)> + Send>>;
 
-struct Job {
-    adapter: Option<String>,
-    prompts: Vec<Vec<u32>>,
-    common: Common,
-    logprobs: Option<usize>,
-    default_max_tokens: Option<usize>,
+pub(crate) struct Job {
+    pub adapter: Option<String>,
+    pub prompts: Vec<Vec<u32>>,
+    pub common: Common,
+    pub logprobs: Option<usize>,
+    /// Score each prompt (see `GenRequest::prompt_logprobs`).
+    pub prompt_logprobs: Option<usize>,
+    pub default_max_tokens: Option<usize>,
+}
+
+/// The last `k` tokens of a prompt (vLLM's `truncate_prompt_tokens`); true when it cut.
+pub(crate) fn truncate_prompt(mut ids: Vec<u32>, k: Option<usize>) -> (Vec<u32>, bool) {
+    match k {
+        Some(k) if ids.len() > k => {
+            ids.drain(..ids.len() - k);
+            (ids, true)
+        }
+        _ => (ids, false),
+    }
+}
+
+/// vLLM's `stop_reason`: the stop string, the stop token id, or null (EOS, length); for a
+/// grammar dead end (finish_reason `abort`) what went wrong.
+pub(crate) fn stop_reason_json(r: &Option<StopReason>) -> Value {
+    match r {
+        None => Value::Null,
+        Some(StopReason::Token(t)) => json!(t),
+        Some(StopReason::Text(s)) | Some(StopReason::Grammar(s)) => json!(s),
+    }
 }
 
 /// Tokenizes nothing; checks lengths, submits every prompt, merges the streams tagged by prompt.
-fn submit_all(st: &Arc<AppState>, job: Job) -> Result<(Merged, Vec<usize>), ApiError> {
+pub(crate) fn submit_all(st: &Arc<AppState>, job: Job) -> Result<(Merged, Vec<usize>), ApiError> {
     let max_len = st.backend.max_model_len();
     let label = job.adapter.clone().unwrap_or_default();
+    let max_queued = st.backend.max_queued_requests();
+    if job.prompts.len() > max_queued {
+        // Not a transient overload: this request can never be taken whole.
+        return Err(ApiError::field(
+            "prompt",
+            format!("this request has {} prompts but the server queues at most {max_queued} requests; send at most {max_queued} prompts per request", job.prompts.len()),
+        ));
+    }
     let mut streams = Vec::with_capacity(job.prompts.len());
     let mut prompt_lens = Vec::new();
     for p in job.prompts {
@@ -327,6 +384,11 @@ fn submit_all(st: &Arc<AppState>, job: Job) -> Result<(Merged, Vec<usize>), ApiE
             ignore_eos: job.common.ignore_eos,
             logprobs: job.logprobs,
             n: job.common.n,
+            prompt_logprobs: job.prompt_logprobs,
+            min_tokens: job.common.out.min_tokens,
+            include_stop_str_in_output: job.common.out.include_stop_str_in_output,
+            skip_special_tokens: job.common.out.skip_special_tokens,
+            constraint: job.common.constraint.as_ref().map(|c| c.0.clone()),
         };
         match st.backend.submit(req) {
             Ok(s) => streams.push(Tracked::new(s, st.clone(), label.clone(), job.common.n)),
@@ -335,10 +397,14 @@ fn submit_all(st: &Arc<AppState>, job: Job) -> Result<(Merged, Vec<usize>), ApiE
                     crate::backend::SubmitError::QueueFull => "queue_full",
                     crate::backend::SubmitError::UnknownAdapter(_) => "unknown_adapter",
                     crate::backend::SubmitError::TooLong { .. } => "too_long",
-                    crate::backend::SubmitError::Invalid(_) => "invalid",
+                    crate::backend::SubmitError::Invalid(_) | crate::backend::SubmitError::InvalidConstraint(_) => "invalid",
                     crate::backend::SubmitError::ShuttingDown => "shutting_down",
                 });
-                return Err(e.into()); // earlier streams drop here: cancelled
+                // Earlier streams drop here: cancelled. A constraint error names its field.
+                return Err(match (&e, &job.common.constraint) {
+                    (crate::backend::SubmitError::InvalidConstraint(m), Some((_, field))) => ApiError::field(field, format!("`{field}`: invalid constraint: {m}")),
+                    _ => e.into(),
+                });
             }
         }
     }
@@ -346,184 +412,80 @@ fn submit_all(st: &Arc<AppState>, job: Job) -> Result<(Merged, Vec<usize>), ApiE
     Ok((Box::pin(merged), prompt_lens))
 }
 
-/// `(token id, token text, logprob, top alternatives)`.
-type TokLp = (u32, String, f32, Vec<(u32, f32)>);
+/// A generated token and its logprob record.
+pub(crate) type TokLp = (u32, TokenLogprob);
 
 #[derive(Default, Clone)]
-struct ChoiceAcc {
-    text: String,
-    ids: Vec<u32>,
-    logprobs: Vec<TokLp>,
-    finish: Option<FinishReason>,
-    completion_tokens: usize,
+pub(crate) struct ChoiceAcc {
+    pub text: String,
+    pub ids: Vec<u32>,
+    pub logprobs: Vec<TokLp>,
+    pub finish: Option<FinishReason>,
+    pub stop_reason: Option<StopReason>,
+    pub completion_tokens: usize,
 }
 
-/// Runs merged streams to the end (non-streaming responses). Choice `p*n + i`.
-async fn collect(st: &AppState, mut s: Merged, n: usize, num_prompts: usize) -> Result<(Vec<ChoiceAcc>, usize), ApiError> {
+/// A whole response: choice `p*n + i`, prompt tokens summed, and each prompt's logprobs
+/// when it was scored.
+pub(crate) struct Collected {
+    pub choices: Vec<ChoiceAcc>,
+    pub prompt_tokens: usize,
+    pub prompt_logprobs: Vec<Option<Vec<TokenLogprob>>>,
+}
+
+/// Runs merged streams to the end (non-streaming responses).
+pub(crate) async fn collect(st: &AppState, mut s: Merged, n: usize, num_prompts: usize) -> Result<Collected, ApiError> {
     let mut ch = vec![ChoiceAcc::default(); n * num_prompts];
     let mut prompt_tokens = vec![0usize; num_prompts];
-    while let Some((p, ev)) = s.next().await {
+    let mut prompt_logprobs = vec![None; num_prompts];
+    let mut cut = std::pin::pin!(st.cut.fired());
+    loop {
+        let next = tokio::select! {
+            biased;
+            ev = s.next() => ev,
+            _ = &mut cut => return Err(cut_error()),
+        };
+        let Some((p, ev)) = next else { break };
         match ev {
             Event::Token { index, token_id, text, logprob } => {
                 let c = &mut ch[p * n + index.min(n - 1)];
                 c.text.push_str(&text);
                 c.ids.push(token_id);
                 if let Some(lp) = logprob {
-                    c.logprobs.push((token_id, st.backend.token_text(token_id), lp.logprob, lp.top));
+                    c.logprobs.push((token_id, lp));
                 }
             }
-            Event::Finished { index, reason, prompt_tokens: pt, completion_tokens } => {
+            Event::PromptLogprobs(l) => prompt_logprobs[p] = Some(l),
+            Event::Finished { index, reason, stop_reason, prompt_tokens: pt, completion_tokens } => {
                 let c = &mut ch[p * n + index.min(n - 1)];
                 c.finish = Some(reason);
+                c.stop_reason = stop_reason;
                 c.completion_tokens = completion_tokens;
                 prompt_tokens[p] = pt;
             }
             Event::Error(e) => return Err(ApiError::internal(format!("generation failed: {e}"))),
         }
     }
-    Ok((ch, prompt_tokens.iter().sum()))
+    Ok(Collected { choices: ch, prompt_tokens: prompt_tokens.iter().sum(), prompt_logprobs })
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
+pub(crate) fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
-fn finish_str(f: Option<FinishReason>) -> Value {
+pub(crate) fn finish_str(f: Option<FinishReason>) -> Value {
     f.map_or(Value::Null, |f| Value::from(f.as_str()))
 }
 
-/// Completions-style logprobs for a run of tokens starting at `offset` chars into the choice.
-fn completion_logprobs(st: &AppState, lps: &[TokLp], mut offset: usize) -> Value {
-    let mut tokens = vec![];
-    let mut token_logprobs = vec![];
-    let mut top = vec![];
-    let mut offsets = vec![];
-    for (_, t, lp, alts) in lps {
-        tokens.push(Value::from(t.clone()));
-        token_logprobs.push(json!(lp));
-        let mut m = Map::new();
-        m.insert(t.clone(), json!(lp));
-        for (id, l) in alts {
-            m.entry(st.backend.token_text(*id)).or_insert(json!(l));
-        }
-        top.push(Value::Object(m));
-        offsets.push(offset);
-        offset += t.len();
-    }
-    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
-}
-
-fn chat_logprobs(st: &AppState, lps: &[TokLp], top_n: usize) -> Value {
-    let content: Vec<Value> = lps
-        .iter()
-        .map(|(_, t, lp, alts)| {
-            let top: Vec<Value> = alts
-                .iter()
-                .take(top_n)
-                .map(|(id, l)| {
-                    let s = st.backend.token_text(*id);
-                    json!({"token": s, "logprob": l, "bytes": s.as_bytes()})
-                })
-                .collect();
-            json!({"token": t, "logprob": lp, "bytes": t.as_bytes(), "top_logprobs": top})
-        })
-        .collect();
-    json!({"content": content})
-}
-
-fn sse_response(s: impl Stream<Item = Value> + Send + 'static) -> Response {
-    let events = s.map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))).chain(futures::stream::once(async { Ok(SseEvent::default().data("[DONE]")) }));
+pub(crate) fn sse_response(st: &AppState, s: impl Stream<Item = Value> + Send + 'static) -> Response {
+    let events = until_cut(s, &st.cut).map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))).chain(futures::stream::once(async { Ok(SseEvent::default().data("[DONE]")) }));
     Sse::new(events).keep_alive(KeepAlive::default()).into_response()
-}
-
-fn encode(st: &AppState, text: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
-    st.backend.encode(text, add_special).map_err(|e| ApiError::bad_request(format!("tokenization failed: {e}")))
-}
-
-// ---------------------------------------------------------------------------------------------
-// OpenAI routes
-
-async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let body = body_bytes(body)?;
-    let r = request::parse_completion(&body)?;
-    let adapter = resolve_adapter(&st, r.model.as_deref(), r.lora_path.as_deref()).await?;
-    let model_name = r.model.clone().unwrap_or_else(|| st.served().to_string());
-    let mut prompts = Vec::with_capacity(r.prompts.len());
-    let mut prompt_texts = Vec::with_capacity(r.prompts.len());
-    for p in &r.prompts {
-        match p {
-            Prompt::Text(t) => {
-                prompts.push(encode(&st, t, true)?);
-                prompt_texts.push(t.clone());
-            }
-            Prompt::Ids(ids) => {
-                prompts.push(ids.clone());
-                prompt_texts.push(String::new());
-            }
-        }
-    }
-    let (n, np, stream, include_usage, echo) = (r.common.n, prompts.len(), r.common.stream, r.common.include_usage, r.echo);
-    let want_lp = r.logprobs.is_some();
-    let job = Job { adapter, prompts, common: r.common, logprobs: r.logprobs, default_max_tokens: Some(16) };
-    let (merged, prompt_lens) = submit_all(&st, job)?;
-    let id = st.new_id("cmpl");
-    let created = now_secs();
-    if !stream {
-        let (choices, prompt_tokens) = collect(&st, merged, n, np).await?;
-        let completion: usize = choices.iter().map(|c| c.completion_tokens).sum();
-        let choices: Vec<Value> = choices
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let text = if echo { format!("{}{}", prompt_texts[i / n], c.text) } else { c.text.clone() };
-                let lp = if want_lp { completion_logprobs(&st, &c.logprobs, if echo { prompt_texts[i / n].len() } else { 0 }) } else { Value::Null };
-                json!({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_str(c.finish), "stop_reason": Value::Null})
-            })
-            .collect();
-        return Ok(Json(json!({"id": id, "object": "text_completion", "created": created, "model": model_name, "choices": choices, "usage": usage(prompt_tokens, completion)})).into_response());
-    }
-    let st2 = st.clone();
-    let mut offsets = vec![0usize; n * np];
-    let completion = Arc::new(AtomicUsize::new(0));
-    let c2 = completion.clone();
-    let prompt_total: usize = prompt_lens.iter().sum();
-    let (id2, model2) = (id.clone(), model_name.clone());
-    let body = merged
-        .filter_map(move |(p, ev)| {
-            let out = match ev {
-                Event::Token { index, token_id, text, logprob } => {
-                    let ci = p * n + index;
-                    let lp = match (&logprob, want_lp) {
-                        (Some(l), true) => completion_logprobs(&st2, &[(token_id, st2.backend.token_text(token_id), l.logprob, l.top.clone())], offsets[ci]),
-                        _ => Value::Null,
-                    };
-                    offsets[ci] += text.len();
-                    let mut v = json!({"id": id2, "object": "text_completion", "created": created, "model": model2, "choices": [{"index": ci, "text": text, "logprobs": lp, "finish_reason": Value::Null}]});
-                    if include_usage {
-                        v["usage"] = Value::Null;
-                    }
-                    Some(v)
-                }
-                Event::Finished { index, reason, completion_tokens, .. } => {
-                    c2.fetch_add(completion_tokens, Ordering::Relaxed);
-                    let mut v = json!({"id": id2, "object": "text_completion", "created": created, "model": model2, "choices": [{"index": p * n + index, "text": "", "logprobs": Value::Null, "finish_reason": reason.as_str()}]});
-                    if include_usage {
-                        v["usage"] = Value::Null;
-                    }
-                    Some(v)
-                }
-                Event::Error(e) => Some(ApiError::internal(format!("generation failed: {e}")).body()),
-            };
-            futures::future::ready(out)
-        })
-        .boxed();
-    Ok(sse_response(with_usage_tail(body, include_usage, completion, id, "text_completion", created, model_name, prompt_total)))
 }
 
 /// Appends the `stream_options.include_usage` chunk; `completion` is summed from the finish
 /// events as they pass.
 #[allow(clippy::too_many_arguments)]
-fn with_usage_tail(
+pub(crate) fn with_usage_tail(
     s: Pin<Box<dyn Stream<Item = Value> + Send>>,
     include: bool,
     completion: Arc<AtomicUsize>,
@@ -541,87 +503,41 @@ fn with_usage_tail(
     s.chain(tail)
 }
 
-async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let body = body_bytes(body)?;
-    let r = request::parse_chat(&body)?;
-    let adapter = resolve_adapter(&st, r.model.as_deref(), r.lora_path.as_deref()).await?;
-    let model_name = r.model.clone().unwrap_or_else(|| st.served().to_string());
-    if !st.backend.has_chat_template() {
-        return Err(ApiError::bad_request("This model has no chat template; use /v1/completions"));
-    }
-    let text = st.backend.render_chat(&r.messages, r.add_generation_prompt).map_err(|e| ApiError::field("messages", format!("chat template: {e}")))?;
-    let prompt = encode(&st, &text, false)?;
-    let (n, stream, include_usage, want_lp, top_n) = (r.common.n, r.common.stream, r.common.include_usage, r.logprobs, r.top_logprobs);
-    let job = Job { adapter, prompts: vec![prompt], common: r.common, logprobs: want_lp.then_some(top_n), default_max_tokens: None };
-    let (merged, prompt_lens) = submit_all(&st, job)?;
-    let id = st.new_id("chatcmpl");
-    let created = now_secs();
-    if !stream {
-        let (choices, prompt_tokens) = collect(&st, merged, n, 1).await?;
-        let completion: usize = choices.iter().map(|c| c.completion_tokens).sum();
-        let choices: Vec<Value> = choices
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let lp = if want_lp { chat_logprobs(&st, &c.logprobs, top_n) } else { Value::Null };
-                json!({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": finish_str(c.finish), "stop_reason": Value::Null})
-            })
-            .collect();
-        return Ok(Json(json!({"id": id, "object": "chat.completion", "created": created, "model": model_name, "choices": choices, "usage": usage(prompt_tokens, completion)})).into_response());
-    }
-    let st2 = st.clone();
-    let (id2, model2) = (id.clone(), model_name.clone());
-    let chunk = move |choice: Value| {
-        let mut v = json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": model2, "choices": [choice]});
-        if include_usage {
-            v["usage"] = Value::Null;
-        }
-        v
-    };
-    let chunk2 = chunk.clone();
-    let completion = Arc::new(AtomicUsize::new(0));
-    let c2 = completion.clone();
-    let roles = futures::stream::iter((0..n).map(move |i| chunk2(json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null}))));
-    let events = merged.filter_map(move |(_, ev)| {
-        let out = match ev {
-            Event::Token { index, token_id, text, logprob } => {
-                let lp = match (&logprob, want_lp) {
-                    (Some(l), true) => chat_logprobs(&st2, &[(token_id, st2.backend.token_text(token_id), l.logprob, l.top.clone())], top_n),
-                    _ => Value::Null,
-                };
-                Some(chunk(json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": Value::Null})))
-            }
-            Event::Finished { index, reason, completion_tokens, .. } => {
-                c2.fetch_add(completion_tokens, Ordering::Relaxed);
-                Some(chunk(json!({"index": index, "delta": {}, "logprobs": Value::Null, "finish_reason": reason.as_str()})))
-            }
-            Event::Error(e) => Some(ApiError::internal(format!("generation failed: {e}")).body()),
-        };
-        futures::future::ready(out)
-    });
-    let body = roles.chain(events).boxed();
-    Ok(sse_response(with_usage_tail(body, include_usage, completion, id, "chat.completion.chunk", created, model_name, prompt_lens.iter().sum())))
-}
-
 fn adapter_card(st: &AppState, a: &AdapterInfo) -> Value {
     json!({
         "id": a.name, "object": "model", "created": now_secs(), "owned_by": "quiver",
-        "root": a.path.display().to_string(), "parent": st.served(), "max_model_len": st.backend.max_model_len(),
+        "root": shown_path(st.cfg.lora_dir.as_deref(), &a.path), "parent": st.served(), "max_model_len": st.backend.max_model_len(),
         "version": a.version, "pinned": a.pinned, "rank": a.rank, "permission": []
     })
 }
 
-async fn list_models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    let mut data = vec![json!({
-        "id": st.served(), "object": "model", "created": now_secs(), "owned_by": "quiver",
+fn base_card(st: &AppState, id: &str) -> Value {
+    json!({
+        "id": id, "object": "model", "created": now_secs(), "owned_by": "quiver",
         "root": st.cfg.model_path, "parent": Value::Null, "max_model_len": st.backend.max_model_len(), "permission": []
-    })];
+    })
+}
+
+async fn list_models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let mut data = vec![base_card(&st, st.served())];
     data.extend(st.backend.adapters().iter().map(|a| adapter_card(&st, a)));
     Json(json!({"object": "list", "data": data}))
 }
 
+/// `GET /v1/models/{id}`: the card of the base model (any served name) or of a loaded adapter.
+async fn get_model(State(st): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Result<Json<Value>, ApiError> {
+    if st.cfg.served_model_names.contains(&id) {
+        return Ok(Json(base_card(&st, &id)));
+    }
+    match st.backend.adapters().iter().find(|a| a.name == id) {
+        Some(a) => Ok(Json(adapter_card(&st, a))),
+        None => Err(ApiError::model_not_found(&id)),
+    }
+}
+
 async fn list_adapters(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(Value::Array(st.backend.adapters().iter().map(|a| json!({"name": a.name, "path": a.path.display().to_string(), "version": a.version, "pinned": a.pinned, "rank": a.rank})).collect()))
+    let dir = st.cfg.lora_dir.as_deref();
+    Json(Value::Array(st.backend.adapters().iter().map(|a| json!({"name": a.name, "path": shown_path(dir, &a.path), "version": a.version, "pinned": a.pinned, "rank": a.rank})).collect()))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -651,8 +567,9 @@ async fn do_load(st: &Arc<AppState>, r: LoadReq) -> Result<AdapterInfo, ApiError
     if !st.cfg.lora_enabled {
         return Err(ApiError::bad_request("LoRA is not enabled; start the server with --enable-lora (or --lora-dir / --lora-modules / --lora-paths)"));
     }
-    if r.name.is_empty() || r.name.contains(':') || st.cfg.served_model_names.contains(&r.name) {
-        return Err(ApiError::field("lora_name", format!("`lora_name` {:?} is not allowed: it must be non-empty, contain no ':' and differ from the base model's name", r.name)));
+    check_adapter_name("lora_name", &r.name)?;
+    if st.cfg.served_model_names.contains(&r.name) {
+        return Err(ApiError::field("lora_name", format!("`lora_name` {:?} is not allowed: it must differ from the base model's name", r.name)));
     }
     let path = resolve_adapter_path(st.cfg.lora_dir.as_deref(), &r.path).map_err(|e| match e {
         PathError::Outside(m) => ApiError::field("lora_path", m),
@@ -671,6 +588,7 @@ async fn do_unload(st: &Arc<AppState>, body: &[u8]) -> Result<String, ApiError> 
     let m = request::parse_object(body)?;
     let f = request::Fields::new(&m);
     let name = f.required_str("lora_name")?.trim().to_string();
+    check_adapter_name("lora_name", &name)?;
     let _g = st.adapter_lock.lock().await;
     if !st.backend.adapters().iter().any(|a| a.name == name) {
         return Err(ApiError { status: StatusCode::NOT_FOUND, message: format!("The lora adapter '{name}' cannot be found."), param: Some("lora_name".into()) });
@@ -678,6 +596,7 @@ async fn do_unload(st: &Arc<AppState>, body: &[u8]) -> Result<String, ApiError> 
     let b = st.backend.clone();
     let n2 = name.clone();
     tokio::task::spawn_blocking(move || b.unload_adapter(&n2)).await.map_err(|e| ApiError::internal(e.to_string()))??;
+    st.metrics.forget_adapter(&name);
     Ok(name)
 }
 
@@ -695,7 +614,7 @@ async fn v1_unload(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRej
 }
 
 fn sgl_reply(st: &AppState, r: Result<(), ApiError>) -> Response {
-    let loaded: Map<String, Value> = st.backend.adapters().iter().map(|a| (a.name.clone(), Value::from(a.path.display().to_string()))).collect();
+    let loaded: Map<String, Value> = st.backend.adapters().iter().map(|a| (a.name.clone(), Value::from(shown_path(st.cfg.lora_dir.as_deref(), &a.path)))).collect();
     match r {
         Ok(()) => Json(json!({"success": true, "error_message": "", "loaded_adapters": loaded})).into_response(),
         Err(e) => {
@@ -730,78 +649,6 @@ async fn sgl_unload(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRe
     sgl_reply(&st, r)
 }
 
-// ---------------------------------------------------------------------------------------------
-// SGLang native
-
-async fn generate(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let body = body_bytes(body)?;
-    let r = request::parse_generate(&body)?;
-    let adapter = resolve_adapter(&st, None, r.lora_path.as_deref()).await?;
-    let mut prompts = Vec::new();
-    for p in &r.prompts {
-        prompts.push(match p {
-            Prompt::Text(t) => encode(&st, t, true)?,
-            Prompt::Ids(ids) => ids.clone(),
-        });
-    }
-    let (n, np, stream) = (r.common.n, prompts.len(), r.common.stream);
-    let want_lp = r.return_logprob;
-    let job = Job { adapter, prompts, common: r.common, logprobs: want_lp.then_some(r.top_logprobs_num), default_max_tokens: Some(128) };
-    let (merged, prompt_lens) = submit_all(&st, job)?;
-    let rid = st.new_id("gen");
-    let start = Instant::now();
-    let meta = move |i: usize, ids_len: usize, finish: Option<FinishReason>, lps: &[TokLp], prompt_lens: &[usize]| {
-        let fr = match finish {
-            None => Value::Null,
-            Some(FinishReason::Length) => json!({"type": "length", "length": ids_len}),
-            Some(f) => json!({"type": f.as_str()}),
-        };
-        let mut m = json!({"id": format!("{rid}-{i}"), "finish_reason": fr, "prompt_tokens": prompt_lens[i / n], "completion_tokens": ids_len, "cached_tokens": 0, "e2e_latency": start.elapsed().as_secs_f64()});
-        if want_lp {
-            m["output_token_logprobs"] = Value::Array(lps.iter().map(|(id, _, lp, _)| json!([lp, id, Value::Null])).collect());
-            m["output_top_logprobs"] = Value::Array(lps.iter().map(|(_, _, _, top)| Value::Array(top.iter().map(|(id, l)| json!([l, id, Value::Null])).collect())).collect());
-        }
-        m
-    };
-    if !stream {
-        let (choices, _) = collect(&st, merged, n, np).await?;
-        let outs: Vec<Value> = choices
-            .iter()
-            .enumerate()
-            .map(|(i, c)| json!({"text": c.text, "output_ids": c.ids, "meta_info": meta(i, c.ids.len(), c.finish, &c.logprobs, &prompt_lens), "index": i}))
-            .collect();
-        let single = !r.batched && n == 1;
-        return Ok(Json(if single { outs.into_iter().next().unwrap_or(Value::Null) } else { Value::Array(outs) }).into_response());
-    }
-    // SGLang streams the cumulative text of each output.
-    let mut acc = vec![ChoiceAcc::default(); n * np];
-    let st2 = st.clone();
-    let body = merged
-        .filter_map(move |(p, ev)| {
-            let out = match ev {
-                Event::Token { index, token_id, text, logprob } => {
-                    let i = p * n + index;
-                    let c = &mut acc[i];
-                    c.text.push_str(&text);
-                    c.ids.push(token_id);
-                    if let Some(l) = logprob {
-                        c.logprobs.push((token_id, st2.backend.token_text(token_id), l.logprob, l.top));
-                    }
-                    Some(json!({"text": c.text, "output_ids": c.ids, "meta_info": meta(i, c.ids.len(), None, &c.logprobs, &prompt_lens), "index": i}))
-                }
-                Event::Finished { index, reason, .. } => {
-                    let i = p * n + index;
-                    let c = &acc[i];
-                    Some(json!({"text": c.text, "output_ids": c.ids, "meta_info": meta(i, c.ids.len(), Some(reason), &c.logprobs, &prompt_lens), "index": i}))
-                }
-                Event::Error(e) => Some(json!({"error": {"message": e}})),
-            };
-            futures::future::ready(out)
-        })
-        .boxed();
-    Ok(sse_response(body))
-}
-
 async fn health(State(st): State<Arc<AppState>>) -> Response {
     if st.is_shutting_down() {
         ApiError::unavailable().into_response()
@@ -821,6 +668,9 @@ async fn model_info(State(st): State<Arc<AppState>>) -> Json<Value> {
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let stats = st.backend.stats();
+    // Series of adapters unloaded since (and recreated by their last streams) go.
+    let loaded: Vec<String> = st.backend.adapters().into_iter().map(|a| a.name).collect();
+    st.metrics.retain_adapters(|n| loaded.iter().any(|l| l == n));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render(st.served(), &stats)).into_response()
 }
 
@@ -872,6 +722,13 @@ pub async fn serve_with_shutdown(st: Arc<AppState>, listener: tokio::net::TcpLis
         }
         if st2.in_flight() > 0 {
             tracing::warn!(in_flight = st2.in_flight(), "grace period over; cancelling the remaining requests");
+            // Each stream ends with an error event and `[DONE]` (a response with an error);
+            // give them a moment to be written before connections close.
+            st2.cut.fire();
+            let t1 = Instant::now();
+            while st2.in_flight() > 0 && t1.elapsed() < Duration::from_secs(1) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
         }
         let _ = tx.send(true);
     });

@@ -14,10 +14,10 @@ use crate::backend::*;
 use crate::server::{router, AppState, ServerConfig};
 
 #[derive(Default)]
-struct Mock {
+pub(crate) struct Mock {
     adapters: Mutex<Vec<AdapterInfo>>,
     version: AtomicU64,
-    queue_full: AtomicBool,
+    pub queue_full: AtomicBool,
     last: Mutex<Option<GenRequest>>,
 }
 
@@ -28,6 +28,12 @@ impl Backend for Mock {
     fn max_model_len(&self) -> usize {
         64
     }
+    fn max_token_bytes(&self) -> usize {
+        1
+    }
+    fn max_queued_requests(&self) -> usize {
+        8
+    }
     fn encode(&self, text: &str, _: bool) -> Result<Vec<u32>, String> {
         Ok(text.bytes().map(|b| b as u32).collect())
     }
@@ -37,8 +43,15 @@ impl Backend for Mock {
     fn has_chat_template(&self) -> bool {
         true
     }
-    fn render_chat(&self, m: &[quiver_model::chat::ChatMessage], _: bool) -> Result<String, String> {
-        Ok(m.iter().map(|m| format!("{}:{}\n", m.role, m.content)).collect())
+    fn decode(&self, ids: &[u32]) -> String {
+        ids.iter().filter_map(|&i| char::from_u32(i)).collect()
+    }
+    fn render_chat(&self, m: &[quiver_model::chat::ChatMessage], add_generation_prompt: bool, _: serde_json::Map<String, Value>, _: Option<&str>) -> Result<String, String> {
+        let mut s: String = m.iter().map(|m| format!("{}:{}\n", m.role, m.content)).collect();
+        if add_generation_prompt {
+            s.push_str("assistant:");
+        }
+        Ok(s)
     }
     fn submit(&self, req: GenRequest) -> Result<EventStream, SubmitError> {
         if self.queue_full.load(Ordering::SeqCst) {
@@ -49,16 +62,24 @@ impl Backend for Mock {
                 return Err(SubmitError::UnknownAdapter(a.clone()));
             }
         }
+        if req.constraint == Some(quiver_engine::Constraint::Regex("(".into())) {
+            return Err(SubmitError::InvalidConstraint("unbalanced parenthesis".into()));
+        }
         *self.last.lock().unwrap() = Some(req.clone());
         // Base says "b", adapters say their first letter; each token is one char.
         let ch = req.adapter.as_deref().and_then(|a| a.chars().next()).unwrap_or('b');
         let mut evs = vec![];
+        // Prompt token j (j >= 1) scores -j/10, and its top alternative is the token after it.
+        if let Some(k) = req.prompt_logprobs {
+            let lps = req.prompt[1..].iter().enumerate().map(|(j, &t)| TokenLogprob { logprob: -(j as f32 + 1.0) / 10.0, top: (0..k as u32).map(|a| (t + 1 + a, -0.01)).collect(), rank: 2 }).collect();
+            evs.push(Event::PromptLogprobs(lps));
+        }
         for i in 0..req.n {
             for _ in 0..req.max_tokens {
-                let lp = req.logprobs.map(|k| TokenLogprob { logprob: -0.5, top: (0..k as u32).map(|j| (ch as u32 + j, -0.5 - j as f32)).collect() });
+                let lp = req.logprobs.map(|k| TokenLogprob { logprob: -0.5, top: (0..k as u32).map(|j| (ch as u32 + j, -0.5 - j as f32)).collect(), rank: 1 });
                 evs.push(Event::Token { index: i, token_id: ch as u32, text: ch.to_string(), logprob: lp });
             }
-            evs.push(Event::Finished { index: i, reason: FinishReason::Length, prompt_tokens: req.prompt.len(), completion_tokens: req.max_tokens });
+            evs.push(Event::Finished { index: i, reason: FinishReason::Length, stop_reason: None, prompt_tokens: req.prompt.len(), completion_tokens: req.max_tokens });
         }
         Ok(Box::pin(futures::stream::iter(evs)))
     }
@@ -99,13 +120,13 @@ impl Backend for Mock {
     fn shutdown(&self) {}
 }
 
-struct Env {
-    st: Arc<AppState>,
-    mock: Arc<Mock>,
-    dir: std::path::PathBuf,
+pub(crate) struct Env {
+    pub st: Arc<AppState>,
+    pub mock: Arc<Mock>,
+    pub dir: std::path::PathBuf,
 }
 
-fn env(api_key: Option<&str>) -> Env {
+pub(crate) fn env(api_key: Option<&str>) -> Env {
     let dir = std::env::temp_dir().join(format!("quiver-srv-test-{}-{}", std::process::id(), rand_suffix()));
     std::fs::create_dir_all(dir.join("loras/alpha")).unwrap();
     std::fs::create_dir_all(dir.join("loras/ondemand")).unwrap();
@@ -121,7 +142,7 @@ fn rand_suffix() -> u64 {
     N.fetch_add(1, Ordering::SeqCst)
 }
 
-async fn call(e: &Env, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> (StatusCode, Vec<u8>) {
+pub(crate) async fn call(e: &Env, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> (StatusCode, Vec<u8>) {
     let mut b = Request::builder().method(method).uri(path);
     if let Some(k) = key {
         b = b.header("authorization", format!("Bearer {k}"));
@@ -133,12 +154,12 @@ async fn call(e: &Env, method: &str, path: &str, body: Option<&str>, key: Option
     (status, bytes)
 }
 
-async fn post(e: &Env, path: &str, body: &str) -> (StatusCode, Value) {
+pub(crate) async fn post(e: &Env, path: &str, body: &str) -> (StatusCode, Value) {
     let (s, b) = call(e, "POST", path, Some(body), None).await;
     (s, serde_json::from_slice(&b).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&b).into())))
 }
 
-fn error_of(v: &Value) -> (&str, Option<&str>) {
+pub(crate) fn error_of(v: &Value) -> (&str, Option<&str>) {
     let e = &v["error"];
     assert!(e["type"].is_string() && e["code"].is_number(), "not an OpenAI error: {v}");
     (e["message"].as_str().unwrap(), e["param"].as_str())
@@ -333,4 +354,107 @@ async fn sglang_generate_and_info() {
     let t = String::from_utf8(b).unwrap();
     assert!(t.contains("vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"x\""), "{t}");
     assert!(t.contains("vllm:generation_tokens_total{model_name=\"base\",adapter=\"\"} 7"), "{t}");
+}
+
+fn close(v: &Value, want: f64) -> bool {
+    v.as_f64().is_some_and(|x| (x - want).abs() < 1e-6)
+}
+
+fn sse_chunks(b: &[u8]) -> Vec<Value> {
+    let text = String::from_utf8(b.to_vec()).unwrap();
+    let datas: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(*datas.last().unwrap(), "[DONE]", "{text}");
+    datas[..datas.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect()
+}
+
+#[tokio::test]
+async fn echo_puts_the_scored_prompt_first() {
+    let e = env(None);
+    // lm-eval's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1.
+    let (s, v) = post(&e, "/v1/completions", r#"{"prompt":[[104,105,106]],"echo":true,"logprobs":1,"max_tokens":1,"temperature":0}"#).await;
+    assert_eq!(s, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], "hijb", "a token-id prompt echoes its decoded text");
+    let lp = &c["logprobs"];
+    assert_eq!(lp["tokens"], json!(["h", "i", "j", "b"]));
+    let tl = lp["token_logprobs"].as_array().unwrap();
+    assert!(tl[0].is_null() && close(&tl[1], -0.1) && close(&tl[2], -0.2) && close(&tl[3], -0.5), "{tl:?}");
+    assert!(lp["top_logprobs"][0].is_null());
+    let top1 = lp["top_logprobs"][1].as_object().unwrap();
+    assert!(close(&top1["i"], -0.1) && close(&top1["j"], -0.01), "the prompt token and its top alternative: {top1:?}");
+    assert_eq!(lp["text_offset"], json!([0, 1, 2, 3]));
+    assert!(c["prompt_logprobs"].is_null(), "vLLM's prompt_logprobs only when asked for");
+    assert!(c["stop_reason"].is_null());
+    assert_eq!(e.mock.last.lock().unwrap().as_ref().unwrap().prompt_logprobs, Some(1));
+    // max_tokens 0 scores the prompt and generates nothing.
+    let (s, v) = post(&e, "/v1/completions", r#"{"prompt":"hi","echo":true,"max_tokens":0,"logprobs":0}"#).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], "hi");
+    assert_eq!(v["choices"][0]["logprobs"]["tokens"], json!(["h", "i"]));
+    assert_eq!((v["usage"]["prompt_tokens"].as_u64(), v["usage"]["completion_tokens"].as_u64()), (Some(2), Some(0)));
+    let (s, v) = post(&e, "/v1/completions", r#"{"prompt":"hi","max_tokens":0}"#).await;
+    assert_eq!((s.as_u16(), error_of(&v).1), (400, Some("max_tokens")), "max_tokens 0 needs echo");
+    // vLLM's prompt_logprobs: per position the prompt token and the top ones, by id.
+    let (s, v) = post(&e, "/v1/completions", r#"{"prompt":"hi","prompt_logprobs":1,"max_tokens":1}"#).await;
+    assert_eq!(s, 200, "{v}");
+    let p = &v["choices"][0]["prompt_logprobs"];
+    assert!(p[0].is_null() && p.as_array().unwrap().len() == 2, "{p}");
+    assert_eq!((&p[1]["105"]["rank"], &p[1]["105"]["decoded_token"], &p[1]["106"]["rank"]), (&json!(2), &json!("i"), &json!(1)));
+    assert_eq!(v["choices"][0]["text"], "b");
+}
+
+#[tokio::test]
+async fn echo_streams_the_prompt_first_and_usage_continuously() {
+    let e = env(None);
+    let (s, b) = call(&e, "POST", "/v1/completions", Some(r#"{"prompt":"hi","echo":true,"logprobs":1,"max_tokens":2,"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}}"#), None).await;
+    assert_eq!(s, 200);
+    let chunks = sse_chunks(&b);
+    assert_eq!(chunks[0]["choices"][0]["text"], "hi");
+    assert_eq!(chunks[0]["choices"][0]["logprobs"]["tokens"], json!(["h", "i"]));
+    let text: String = chunks.iter().filter_map(|c| c["choices"].get(0)?.get("text")?.as_str().map(str::to_string)).collect();
+    assert_eq!(text, "hibb");
+    assert_eq!(chunks[1]["choices"][0]["logprobs"]["text_offset"], json!([2]), "offsets continue after the echoed prompt");
+    let used: Vec<u64> = chunks.iter().filter(|c| c["choices"].as_array().is_some_and(|a| !a.is_empty())).map(|c| c["usage"]["completion_tokens"].as_u64().unwrap()).collect();
+    assert_eq!(used, vec![0, 1, 2, 2], "usage on every chunk");
+    let (s, v) = post(&e, "/v1/completions", r#"{"prompt":"hi","stream":true,"prompt_logprobs":1}"#).await;
+    assert_eq!((s.as_u16(), error_of(&v).1), (400, Some("prompt_logprobs")));
+}
+
+#[tokio::test]
+async fn chat_continue_final_message_echo_and_model_card() {
+    let e = env(None);
+    let body = r#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"Sure"}],"continue_final_message":true,"add_generation_prompt":false,"echo":true,"max_tokens":2}"#;
+    let (s, v) = post(&e, "/v1/chat/completions", body).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], "user:hi\nassistant:Sure".len(), "rendered prompt cut after the final message");
+    assert_eq!(v["choices"][0]["message"]["content"], "Surebb");
+    let (s, v) = post(&e, "/v1/chat/completions", r#"{"messages":[{"role":"assistant","content":"x"}],"continue_final_message":true,"add_generation_prompt":true}"#).await;
+    assert_eq!((s.as_u16(), error_of(&v).1), (400, Some("continue_final_message")));
+    let (s, v) = post(&e, "/v1/chat/completions", r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#).await;
+    assert_eq!((s.as_u16(), error_of(&v).1), (400, Some("tools")));
+    let (s, v) = post(&e, "/v1/chat/completions", r#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"},"max_tokens":1}"#).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(e.mock.last.lock().unwrap().as_ref().unwrap().constraint, Some(quiver_engine::Constraint::JsonObject));
+    // The engine refusing a constraint is a 400 naming the field that gave it.
+    let (s, v) = post(&e, "/v1/completions", r#"{"prompt":"x","guided_regex":"("}"#).await;
+    assert_eq!((s.as_u16(), error_of(&v).1), (400, Some("guided_regex")), "{v}");
+    let (s, b) = call(&e, "GET", "/v1/models/base", None, None).await;
+    assert_eq!(s, 200);
+    assert_eq!(serde_json::from_slice::<Value>(&b).unwrap()["id"], "base");
+    let (s, _) = call(&e, "GET", "/v1/models/nope", None, None).await;
+    assert_eq!(s, 404);
+}
+
+#[tokio::test]
+async fn output_options_reach_the_engine() {
+    let e = env(None);
+    let body = r#"{"prompt":"abcdef","min_tokens":2,"max_tokens":3,"include_stop_str_in_output":true,"skip_special_tokens":false,"spaces_between_special_tokens":false,"logit_bias":{"7":3,"2":-200},"allowed_token_ids":[9,7],"truncate_prompt_tokens":4,"request_id":"abc"}"#;
+    let (s, v) = post(&e, "/v1/completions", body).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["id"], "cmpl-abc");
+    let r = e.mock.last.lock().unwrap().clone().unwrap();
+    assert_eq!((r.min_tokens, r.include_stop_str_in_output, r.skip_special_tokens), (2, true, false));
+    assert_eq!(r.sampling.logit_bias, vec![(2, -100.0), (7, 3.0)]);
+    assert_eq!(r.sampling.allowed_token_ids, vec![7, 9]);
+    assert_eq!(r.prompt, b"cdef".iter().map(|&b| b as u32).collect::<Vec<_>>(), "the last 4 prompt tokens");
 }

@@ -50,7 +50,7 @@ impl EngineHandle {
         }
         let (reply, rx) = oneshot::channel();
         let gen = GenerateRequest { prompt: req.input, adapter: req.adapter, max_tokens: 0, ..Default::default() };
-        let stream = self.enqueue(gen, Some(EmbedJob { dimensions: req.dimensions, normalize: req.normalize, reply }))?;
+        let stream = self.enqueue(gen, Some(EmbedJob { dimensions: req.dimensions, normalize: req.normalize, reply }), None)?;
         Ok(EmbedStream { stream, rx })
     }
 }

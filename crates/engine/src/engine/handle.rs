@@ -28,18 +28,26 @@ impl EngineHandle {
         if req.prompt.is_empty() {
             return Err(SubmitError::Invalid("prompt is empty".into()));
         }
-        if req.max_tokens == 0 {
-            return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
+        if req.max_tokens == 0 && (req.prompt_logprobs.is_none() || req.n != 1) {
+            return Err(SubmitError::Invalid("max_tokens must be at least 1 (0 only scores the prompt: with prompt_logprobs and n = 1)".into()));
+        }
+        if req.min_tokens > req.max_tokens {
+            return Err(SubmitError::Invalid(format!("min_tokens ({}) must be at most max_tokens ({})", req.min_tokens, req.max_tokens)));
         }
         if req.n == 0 || req.n > sh.cfg.max_running_requests {
             return Err(SubmitError::Invalid(format!("n must be in 1..={}, got {}", sh.cfg.max_running_requests, req.n)));
         }
-        if let Some(k) = req.logprobs {
-            if k > 20 {
-                return Err(SubmitError::Invalid(format!("top_logprobs must be at most 20, got {k}")));
+        for (name, k) in [("top_logprobs", req.logprobs), ("prompt_logprobs", req.prompt_logprobs)] {
+            if k.is_some_and(|k| k > 20) {
+                return Err(SubmitError::Invalid(format!("{name} must be at most 20, got {}", k.unwrap_or_default())));
             }
         }
         req.sampling.validate().map_err(SubmitError::Invalid)?;
+        for (name, mut ids) in [("logit_bias", Box::new(req.sampling.logit_bias.iter().map(|b| b.0)) as Box<dyn Iterator<Item = u32>>), ("allowed_token_ids", Box::new(req.sampling.allowed_token_ids.iter().copied()))] {
+            if let Some(bad) = ids.find(|&t| t as usize >= sh.vocab) {
+                return Err(SubmitError::Invalid(format!("{name}: token id {bad} is outside the vocabulary ({} tokens)", sh.vocab)));
+            }
+        }
         if let Some(&bad) = req.prompt.iter().chain(&req.stop_token_ids).find(|&&t| t as usize >= sh.vocab) {
             return Err(SubmitError::Invalid(format!("token id {bad} is outside the vocabulary ({} tokens)", sh.vocab)));
         }
@@ -53,12 +61,17 @@ impl EngineHandle {
                 sh.kv_capacity_tokens
             )));
         }
-        self.enqueue(req, None)
+        // Compiled here, on the caller's thread, so a bad grammar is refused before queuing.
+        let guide = match &req.constraint {
+            None => None,
+            Some(c) => Some(sh.grammars.as_ref().map_err(|e| SubmitError::InvalidConstraint(e.clone()))?.compile(c).map_err(SubmitError::InvalidConstraint)?),
+        };
+        self.enqueue(req, None, guide)
     }
 
     /// Queues a checked request: refuses it when shutting down, for an unknown adapter or a
     /// full queue, otherwise hands it to the engine thread.
-    pub(super) fn enqueue(&self, req: GenerateRequest, embed: Option<EmbedJob>) -> Result<RequestStream, SubmitError> {
+    pub(super) fn enqueue(&self, req: GenerateRequest, embed: Option<EmbedJob>, guide: Option<Guide>) -> Result<RequestStream, SubmitError> {
         let sh = &self.inner.shared;
         // The adapter table lock orders this submit against unloads.
         let table = sh.adapters.lock().unwrap();
@@ -79,7 +92,7 @@ impl EngineHandle {
         let (etx, erx) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let (n, prompt_tokens) = (req.n, req.prompt.len());
-        if self.inner.tx.send(Msg::Submit(Box::new(NewRequest { id, req, tx: etx, cancel: cancel.clone(), embed }))).is_err() {
+        if self.inner.tx.send(Msg::Submit(Box::new(NewRequest { id, req, tx: etx, cancel: cancel.clone(), guide, embed }))).is_err() {
             sh.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::ShuttingDown);
         }
@@ -143,7 +156,7 @@ impl EngineHandle {
         let job = LoadJob { name: name.into(), path: path.to_path_buf(), pinned, replace, reply };
         let loader = self.inner.loader.lock().unwrap();
         let Some(l) = loader.as_ref() else { return Err(AdapterError::ShuttingDown) };
-        l.send(job).map_err(|_| AdapterError::ShuttingDown)?;
+        l.send(LoaderJob::Load(job)).map_err(|_| AdapterError::ShuttingDown)?;
         table.entry(name.into()).or_default().loading = true;
         Ok(rx)
     }
@@ -190,6 +203,8 @@ impl EngineHandle {
         }
         let _ = self.inner.tx.send(Msg::Shutdown);
         self.inner.loader.lock().unwrap().take();
+        // A load in progress stops at its next read; nothing waits for it.
+        self.inner.cancel_loads.store(true, Ordering::SeqCst);
     }
 
     /// [`Self::shutdown`], then waits for the engine thread to finish.

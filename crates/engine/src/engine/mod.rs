@@ -36,34 +36,38 @@ use crate::api::*;
 use crate::config::{mem_available, EngineConfig, SchedulePolicy, Task};
 use crate::kv::{BlockId, BlockPool, Parent};
 use crate::sampling::{self, Sampler, SamplingParams};
+use crate::structured::{Grammars, Guide};
 use crate::text::{Detok, StopScan};
 use quiver_kernels::KvStorage;
-use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora};
+use quiver_lora::adapter::FileStamp;
+use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora, ReadLimits};
 use quiver_model::tokenizer::Tokenizer;
 use quiver_model::{ForwardBatch, LlamaModel, LoadedModel, LogitsFor, ModelConfig, Workspace};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::oneshot;
 
 mod adapters;
 mod embed;
 mod handle;
+mod prompt_logprobs;
 mod requests;
 mod schedule;
 mod step;
 
-use adapters::loader_loop;
+use adapters::{loader_loop, Loader, LoaderJob};
 use embed::{EmbedJob, EmbedState};
 
 pub(crate) enum Msg {
     Submit(Box<NewRequest>),
     Wake,
     AdapterLoaded { job: LoadJob, result: Result<LoraAdapter, LoraError> },
+    AdapterReloaded { key: AdapterKey, result: Result<LoraAdapter, LoraError> },
     Unload(String),
     Debug(mpsc::Sender<DebugState>),
     Shutdown,
@@ -74,6 +78,8 @@ pub(crate) struct NewRequest {
     req: GenerateRequest,
     tx: UnboundedSender<StreamEvent>,
     cancel: Arc<AtomicBool>,
+    /// The compiled constraint, if any.
+    guide: Option<Guide>,
     /// Set for an embedding request.
     embed: Option<EmbedJob>,
 }
@@ -103,6 +109,8 @@ struct Shared {
     next_id: AtomicU64,
     adapters: Mutex<HashMap<String, AdapterEntry>>,
     stats: Mutex<EngineStats>,
+    /// Structured output for this vocabulary; `Err` says why it is unavailable.
+    grammars: Result<Grammars, String>,
     /// The pooling, when the engine serves embeddings.
     embedding: Option<quiver_model::EmbeddingSpec>,
 }
@@ -110,7 +118,9 @@ struct Shared {
 struct Inner {
     shared: Arc<Shared>,
     tx: Sender<Msg>,
-    loader: Mutex<Option<Sender<LoadJob>>>,
+    loader: Mutex<Option<Sender<LoaderJob>>>,
+    /// Cancels the load in progress at shutdown.
+    cancel_loads: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -144,6 +154,22 @@ impl Engine {
         };
         let mean_pooling = embedding.as_ref().is_some_and(|e| e.pooling == quiver_model::Pooling::Mean);
         let max_model_len = cfg.max_model_len.unwrap_or(c.max_position_embeddings).min(model.rope.max_pos).max(1);
+        let dims = model.lora_dims();
+        let lcfg = LoraConfig {
+            max_loras_per_batch: cfg.max_loras_per_batch,
+            max_lora_rank: cfg.max_lora_rank,
+            max_loaded_loras: cfg.max_loaded_loras,
+            eviction_policy: cfg.eviction_policy,
+            backend: cfg.lora_backend.clone(),
+            target_modules: cfg.lora_target_modules.clone(),
+            chunk_size: quiver_lora::batch::DEFAULT_CHUNK_SIZE,
+            max_batch_tokens: cfg.max_num_batched_tokens,
+        };
+        // The LoRA pool lives on the model's device: allocate it before sizing the KV cache from
+        // what memory is left.
+        let mut manager = LoraManager::new(dims, lcfg, model.device.clone()).map_err(|e| anyhow::anyhow!("LoRA setup: {e}"))?;
+        // Host-cache reloads go through the loader thread too (see `adapters`).
+        manager.set_disk_reload(false);
         let bs = cfg.block_size;
         let bpb = model.kv_bytes_per_block(bs);
         let num_blocks = match cfg.kv_cache_memory {
@@ -158,18 +184,6 @@ impl Engine {
             }
         };
         anyhow::ensure!(num_blocks >= 2, "kv_cache_memory is too small: one block of {bs} tokens takes {bpb} bytes");
-        let dims = model.lora_dims();
-        let lcfg = LoraConfig {
-            max_loras_per_batch: cfg.max_loras_per_batch,
-            max_lora_rank: cfg.max_lora_rank,
-            max_loaded_loras: cfg.max_loaded_loras,
-            eviction_policy: cfg.eviction_policy,
-            backend: cfg.lora_backend.clone(),
-            target_modules: cfg.lora_target_modules.clone(),
-            chunk_size: quiver_lora::batch::DEFAULT_CHUNK_SIZE,
-            max_batch_tokens: cfg.max_num_batched_tokens,
-        };
-        let manager = LoraManager::new(dims, lcfg, model.device.kind()).map_err(|e| anyhow::anyhow!("LoRA setup: {e}"))?;
         let kv = model.alloc_kv(num_blocks, bs);
         tracing::info!(num_blocks, block_size = bs, bytes = num_blocks * bpb, max_model_len, "allocated paged KV cache");
         let shared = Arc::new(Shared {
@@ -182,15 +196,21 @@ impl Engine {
             next_id: AtomicU64::new(1),
             adapters: Mutex::new(HashMap::new()),
             stats: Mutex::new(EngineStats { kv_blocks_total: num_blocks, kv_blocks_free: num_blocks, block_size: bs, max_loras: cfg.max_loras_per_batch, ..Default::default() }),
+            grammars: Grammars::new(&tokenizer, c.vocab_size).map_err(|e| format!("structured output is unavailable for this tokenizer: {e:#}")),
             cfg: cfg.clone(),
             embedding: embedding.clone(),
         });
         let (tx, rx) = mpsc::channel::<Msg>();
-        // Loader thread: reads and validates adapters off the engine thread.
-        let (ltx, lrx) = mpsc::channel::<LoadJob>();
+        // Loader thread: every adapter file read happens there, never on the engine thread.
+        let (ltx, lrx) = mpsc::channel::<LoaderJob>();
         let etx = tx.clone();
-        let (max_rank, modules, mcfg) = (cfg.max_lora_rank, cfg.lora_target_modules.clone(), model.config.clone());
-        std::thread::Builder::new().name("quiver-lora-loader".into()).spawn(move || loader_loop(lrx, etx, dims, max_rank, modules, mcfg))?;
+        let cancel_loads = Arc::new(AtomicBool::new(false));
+        let sandbox = match &cfg.lora_dir {
+            Some(d) => Some(d.canonicalize().map_err(|e| anyhow::anyhow!("--lora-dir {}: {e}", d.display()))?),
+            None => None,
+        };
+        let loader = Loader { dims, max_rank: cfg.max_lora_rank, modules: cfg.lora_target_modules.clone(), sandbox, cancel: cancel_loads.clone(), model: model.config.clone() };
+        std::thread::Builder::new().name("quiver-lora-loader".into()).spawn(move || loader_loop(lrx, etx, loader))?;
         let stride = max_model_len.div_ceil(bs);
         // An embedding step returns hidden states: every row of a chunk under mean pooling.
         let ws = match &embedding {
@@ -218,6 +238,8 @@ impl Engine {
             running: Vec::new(),
             waiting: VecDeque::new(),
             pending_load: HashMap::new(),
+            loader: ltx.clone(),
+            reloading: HashSet::new(),
             running_adapters: HashMap::new(),
             next_order: 1,
             step_no: 0,
@@ -233,7 +255,7 @@ impl Engine {
             embedding,
         };
         let thread = std::thread::Builder::new().name("quiver-engine".into()).spawn(move || core.run(rx))?;
-        Ok(EngineHandle { inner: Arc::new(Inner { shared, tx, loader: Mutex::new(Some(ltx)), thread: Mutex::new(Some(thread)) }) })
+        Ok(EngineHandle { inner: Arc::new(Inner { shared, tx, loader: Mutex::new(Some(ltx)), cancel_loads, thread: Mutex::new(Some(thread)) }) })
     }
 }
 
@@ -252,6 +274,15 @@ struct Req {
     logprobs: Option<usize>,
     n: usize,
     prompt_len: usize,
+    /// Prompt scoring (see `prompt_logprobs.rs`): top-k asked for, the next prompt index to
+    /// score, the logprobs so far, and whether they were sent.
+    prompt_logprobs: Option<usize>,
+    prompt_lp_next: usize,
+    prompt_lps: Vec<TokenLogprob>,
+    prompt_lps_sent: bool,
+    min_tokens: usize,
+    include_stop: bool,
+    skip_special: bool,
     tx: UnboundedSender<StreamEvent>,
     cancel: Arc<AtomicBool>,
     seq_ids: Vec<usize>,
@@ -280,6 +311,10 @@ struct Seq {
     waiting_since: u64,
     /// Index of this step's schedule entry, if scheduled.
     scheduled: bool,
+    /// The stop id or string that ended it (reported in `Finished`).
+    stop_reason: Option<StopReason>,
+    /// Position in the request's constraint (each sample has its own).
+    guide: Option<Guide>,
 }
 
 #[derive(Default)]
@@ -316,6 +351,10 @@ struct Core {
     waiting: VecDeque<usize>,
     /// Requests for a name whose first load is in progress.
     pending_load: HashMap<String, Vec<NewRequest>>,
+    /// Sends loads and host-cache reloads to the loader thread.
+    loader: Sender<LoaderJob>,
+    /// Versions whose weights the loader is reading again; their sequences wait.
+    reloading: HashSet<AdapterKey>,
     /// Running sequences per adapter version.
     running_adapters: HashMap<AdapterKey, usize>,
     next_order: u64,
@@ -383,7 +422,7 @@ impl Core {
         for (_, reqs) in std::mem::take(&mut self.pending_load) {
             for r in reqs {
                 let _ = r.tx.send(StreamEvent::Error("the engine shut down before the adapter finished loading".into()));
-                let _ = r.tx.send(StreamEvent::Finished { index: 0, reason: FinishReason::Abort, prompt_tokens: r.req.prompt.len(), completion_tokens: 0 });
+                let _ = r.tx.send(StreamEvent::Finished { index: 0, reason: FinishReason::Abort, stop_reason: None, prompt_tokens: r.req.prompt.len(), completion_tokens: 0 });
             }
         }
         self.publish_stats();
@@ -394,6 +433,7 @@ impl Core {
             Msg::Submit(nr) => self.accept(*nr),
             Msg::Wake => {}
             Msg::AdapterLoaded { job, result } => self.finish_load(job, result),
+            Msg::AdapterReloaded { key, result } => self.finish_reload(key, result),
             Msg::Unload(name) => {
                 if let Err(e) = self.manager.unload_adapter(&name) {
                     tracing::warn!(adapter = %name, "unload: {e}");
@@ -403,7 +443,10 @@ impl Core {
                 self.check_cancellations();
                 let _ = tx.send(self.debug_state());
             }
-            Msg::Shutdown => self.shutdown = true,
+            Msg::Shutdown => {
+                self.shutdown = true;
+                self.abandon_reloads();
+            }
         }
     }
 

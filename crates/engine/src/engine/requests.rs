@@ -8,7 +8,7 @@ impl Core {
         self.shared.queued.fetch_sub(1, Ordering::SeqCst);
         let _ = nr.tx.send(StreamEvent::Error(msg));
         for index in 0..nr.req.n {
-            let _ = nr.tx.send(StreamEvent::Finished { index, reason: FinishReason::Abort, prompt_tokens: nr.req.prompt.len(), completion_tokens: 0 });
+            let _ = nr.tx.send(StreamEvent::Finished { index, reason: FinishReason::Abort, stop_reason: None, prompt_tokens: nr.req.prompt.len(), completion_tokens: 0 });
         }
     }
 
@@ -31,7 +31,7 @@ impl Core {
                 }
             },
         };
-        let NewRequest { id, req, tx, cancel, embed } = nr;
+        let NewRequest { id, req, tx, cancel, guide, embed } = nr;
         let ri = match self.free_reqs.pop() {
             Some(i) => i,
             None => {
@@ -44,7 +44,7 @@ impl Core {
         let si = self.new_seq(Seq {
             req: ri,
             index: 0,
-            detok: Detok::new(prompt_len),
+            detok: Detok::new(prompt_len, req.skip_special_tokens),
             tokens: req.prompt,
             num_computed: 0,
             blocks: Vec::new(),
@@ -56,6 +56,8 @@ impl Core {
             running: false,
             waiting_since: self.step_no,
             scheduled: false,
+            stop_reason: None,
+            guide,
         });
         self.reqs[ri] = Some(Req {
             id,
@@ -69,6 +71,13 @@ impl Core {
             logprobs: req.logprobs,
             n: req.n,
             prompt_len,
+            prompt_logprobs: req.prompt_logprobs,
+            prompt_lp_next: 1,
+            prompt_lps: Vec::new(),
+            prompt_lps_sent: false,
+            min_tokens: req.min_tokens,
+            include_stop: req.include_stop_str_in_output,
+            skip_special: req.skip_special_tokens,
             tx,
             cancel,
             seq_ids: vec![si],
@@ -126,7 +135,7 @@ impl Core {
             let r = self.req_mut(ri);
             r.live -= 1;
             let (index, pl) = (r.n - r.live - 1, r.prompt_len);
-            let _ = r.tx.send(StreamEvent::Finished { index, reason: FinishReason::Abort, prompt_tokens: pl, completion_tokens: 0 });
+            let _ = r.tx.send(StreamEvent::Finished { index, reason: FinishReason::Abort, stop_reason: None, prompt_tokens: pl, completion_tokens: 0 });
         }
         if self.reqs[ri].is_some() {
             self.drop_request(ri);
@@ -181,7 +190,7 @@ impl Core {
         let ri = seq.req;
         let r = self.req_mut(ri);
         let completion = seq.tokens.len() - r.prompt_len;
-        let _ = r.tx.send(StreamEvent::Finished { index: seq.index, reason, prompt_tokens: r.prompt_len, completion_tokens: completion });
+        let _ = r.tx.send(StreamEvent::Finished { index: seq.index, reason, stop_reason: seq.stop_reason, prompt_tokens: r.prompt_len, completion_tokens: completion });
         r.live -= 1;
         r.seq_ids.retain(|&x| x != si);
         if r.live == 0 {
@@ -205,9 +214,9 @@ impl Core {
     pub(super) fn fork(&mut self, si: usize) -> Vec<usize> {
         let ri = self.seq(si).req;
         let bs = self.pool.block_size();
-        let (n, prompt_len, params) = {
+        let (n, prompt_len, params, skip_special) = {
             let r = self.req(ri);
-            (r.n, r.prompt_len, r.params.clone())
+            (r.n, r.prompt_len, r.params.clone(), r.skip_special)
         };
         self.req_mut(ri).forked = true;
         let full = prompt_len / bs;
@@ -223,6 +232,7 @@ impl Core {
             let p = SamplingParams { seed: params.seed.map(|x| x.wrapping_add(index as u64)), ..params.clone() };
             let order = self.next_order;
             self.next_order += 1;
+            let guide = self.seq(si).guide.as_ref().map(|g| g.fork());
             let child = self.new_seq(Seq {
                 req: ri,
                 index,
@@ -232,12 +242,14 @@ impl Core {
                 num_registered: registered,
                 chain_ok,
                 sampler: Sampler::new(p, &prompt),
-                detok: Detok::new(prompt_len),
+                detok: Detok::new(prompt_len, skip_special),
                 stop: StopScan::default(),
                 order,
                 running: false,
                 waiting_since: self.step_no,
                 scheduled: false,
+                stop_reason: None,
+                guide,
             });
             self.insert_running(child);
             self.req_mut(ri).seq_ids.push(child);

@@ -50,7 +50,6 @@ impl Core {
 
     pub(super) fn schedule(&mut self) -> bool {
         let mut budget = self.cfg.max_num_batched_tokens;
-        let chunk_cap = self.cfg.chunked_prefill_size;
         self.sched.clear();
         let mut preempted = false;
         // Decode rows first, then running prefills, both oldest first.
@@ -65,7 +64,16 @@ impl Core {
                     i += 1;
                     continue;
                 }
-                let chunk = remaining.min(budget).min(if is_decode { 1 } else { chunk_cap });
+                // Weights dropped from host memory and out of their slot: they are being read
+                // again on the loader thread; the sequence waits, everyone else runs.
+                if let Some(k) = self.req(s.req).adapter {
+                    if !self.adapter_ready(k) {
+                        i += 1;
+                        continue;
+                    }
+                }
+                let s = self.seq(si);
+                let chunk = remaining.min(budget).min(if is_decode { 1 } else { self.prefill_cap(si) });
                 let upto = s.num_computed + chunk;
                 let before = self.preemptions_now();
                 if !self.grow_blocks(si, upto) {
@@ -110,9 +118,10 @@ impl Core {
         if self.cfg.schedule_policy == SchedulePolicy::Lpm && !strict && self.pool.prefix_cache_enabled() {
             for c in 0..self.cand_buf.len() {
                 let si = self.waiting[self.cand_buf[c].0];
+                let max_blocks = self.max_prefix_blocks(si);
                 let s = self.seqs[si].as_ref().expect("waiting sequence");
                 let key = self.reqs[s.req].as_ref().expect("live request").adapter;
-                self.pool.match_prefix(key, &s.tokens, (s.tokens.len() - 1) / bs, &mut self.match_buf);
+                self.pool.match_prefix(key, &s.tokens, max_blocks, &mut self.match_buf);
                 self.cand_buf[c].1 = self.match_buf.len();
             }
             self.cand_buf.sort_by_key(|&(qi, m)| (std::cmp::Reverse(m), qi));
@@ -125,6 +134,7 @@ impl Core {
             }
             let qi = self.cand_buf[c].0;
             let si = self.waiting[qi];
+            let (max_match, chunk_cap) = (self.max_prefix_blocks(si), self.prefill_cap(si));
             let s = self.seqs[si].as_ref().expect("waiting sequence");
             let ri = s.req;
             let r = self.reqs[ri].as_ref().expect("live request");
@@ -146,13 +156,22 @@ impl Core {
                     }
                 }
             }
+            if let Some(k) = r.adapter {
+                if !self.adapter_ready(k) {
+                    if strict {
+                        break;
+                    }
+                    continue;
+                }
+            }
+            let s = self.seqs[si].as_ref().expect("waiting sequence");
+            let r = self.reqs[ri].as_ref().expect("live request");
             // KV blocks for the first chunk after prefix-cache hits.
-            let max_match = (s.tokens.len() - 1) / bs;
             self.pool.match_prefix(r.adapter, &s.tokens, max_match, &mut self.match_buf);
             let matched = self.match_buf.len();
             let idle_matched = self.match_buf.iter().filter(|&&b| self.pool.refs(b) == 0).count();
             let start = matched * bs;
-            let chunk = (s.tokens.len() - start).min(*budget).min(self.cfg.chunked_prefill_size);
+            let chunk = (s.tokens.len() - start).min(*budget).min(chunk_cap);
             let need = (start + chunk).div_ceil(bs) - matched;
             if self.pool.available() < idle_matched + need + watermark {
                 break;

@@ -17,7 +17,7 @@ impl Core {
         for &(si, chunk) in &self.sched {
             let s = self.seqs[si].as_ref().expect("scheduled sequence");
             let end = s.num_computed + chunk;
-            let want = if mean_pooling {
+            let want = if mean_pooling || self.scores_prompt_rows(si, s.num_computed, end) {
                 LogitsFor::All
             } else if end == s.tokens.len() {
                 LogitsFor::Last
@@ -79,15 +79,24 @@ impl Core {
         let mut logits = std::mem::take(&mut self.logits_buf);
         logits.resize(vocab, 0.0);
         for &(si, chunk) in &sched {
+            let start = self.seq(si).num_computed;
+            let scored = self.scores_prompt_rows(si, start, start + chunk);
             let s = self.seq_mut(si);
             s.scheduled = false;
             s.num_computed += chunk;
             let wants = s.num_computed == s.tokens.len();
             self.register_blocks(si);
-            if wants {
-                logits.copy_from_slice(&self.ws.host_logits[row * vocab..(row + 1) * vocab]);
+            if scored {
+                self.score_prompt_rows(si, row, start, start + chunk);
+                row += chunk;
+            } else if wants {
                 row += 1;
-                self.sample_seq(si, &logits);
+            }
+            if wants {
+                logits.copy_from_slice(&self.ws.host_logits[(row - 1) * vocab..row * vocab]);
+                if self.finish_prompt(si) {
+                    self.sample_seq(si, &logits);
+                }
             }
         }
         self.logits_buf = logits;
@@ -169,21 +178,42 @@ impl Core {
         work.extend_from_slice(logits);
         let ri = self.seq(si).req;
         let tokenizer = self.tokenizer.clone();
-        let eos_hit;
-        let (tok, logprob) = {
+        let (eos_hit, stop_id_hit);
+        let (tok, logprob, grammar_done) = {
             let s = self.seqs[si].as_mut().expect("live sequence");
             let r = self.reqs[ri].as_ref().expect("live request");
             s.sampler.apply_penalties(&mut work);
+            if s.tokens.len() - r.prompt_len < r.min_tokens {
+                // vLLM's min_tokens: no token that would end the sequence may be drawn yet.
+                let eos: &[u32] = if r.ignore_eos { &[] } else { &self.eos };
+                for &t in r.stop_ids.iter().chain(eos) {
+                    work[t as usize] = f32::NEG_INFINITY;
+                }
+            }
+            if let Some(g) = s.guide.as_mut() {
+                if let Err(e) = g.mask(&mut work) {
+                    // Never stall the batch on a grammar that cannot go on: end this row.
+                    s.stop_reason = Some(StopReason::Grammar(format!("grammar dead end: {e}")));
+                    self.work_buf = work;
+                    self.end_seq(si, FinishReason::Abort);
+                    return;
+                }
+            }
             let tok = s.sampler.sample(&work);
-            let lp = r.logprobs.map(|k| {
-                let mut top = Vec::new();
-                let lp = sampling::logprobs(&work, tok, k, &mut top);
-                TokenLogprob { logprob: lp, top }
-            });
+            let lp = r.logprobs.map(|k| sampling::token_logprob(&work, tok, k));
+            let grammar_done = match s.guide.as_mut().map(|g| g.advance(tok).map(|()| g.is_finished())) {
+                Some(Err(e)) => {
+                    tracing::warn!("constraint refused its own token {tok}: {e}");
+                    true
+                }
+                Some(Ok(done)) => done,
+                None => false,
+            };
             s.sampler.observe(tok);
             s.tokens.push(tok);
-            eos_hit = r.stop_ids.contains(&tok) || (!r.ignore_eos && self.eos.contains(&tok));
-            (tok, lp)
+            stop_id_hit = r.stop_ids.contains(&tok);
+            eos_hit = stop_id_hit || (!r.ignore_eos && self.eos.contains(&tok));
+            (tok, lp, grammar_done)
         };
         self.work_buf = work;
         self.counters.generated += 1;
@@ -192,29 +222,45 @@ impl Core {
         let completion = s.tokens.len() - r.prompt_len;
         let mut text = String::new();
         let mut finish = None;
+        // Stop strings are searched only in text generated after min_tokens (as vLLM does).
+        let checked = completion > r.min_tokens;
+        let push = |stop: &mut StopScan, t: &str, text: &mut String| -> Option<StopReason> {
+            if !checked {
+                stop.push_unchecked(t, text);
+                return None;
+            }
+            stop.push(t, &r.stop, r.include_stop, text).map(|i| StopReason::Text(r.stop[i].clone()))
+        };
         if eos_hit {
-            // The stop token's own text is never shown; release what was held back.
-            let n = s.tokens.len();
-            if let Some(t) = s.detok.flush(&tokenizer, &s.tokens[..n - 1]) {
-                s.stop.push(&t, &r.stop, &mut text);
+            // The stop token's own text is shown only with include_stop_str_in_output; release
+            // what was held back.
+            let n = s.tokens.len() - usize::from(!r.include_stop);
+            if let Some(t) = s.detok.flush(&tokenizer, &s.tokens[..n]) {
+                s.stop_reason = push(&mut s.stop, &t, &mut text);
             }
             s.stop.flush(&mut text);
+            if s.stop_reason.is_none() && stop_id_hit {
+                s.stop_reason = Some(StopReason::Token(tok));
+            }
             finish = Some(FinishReason::Stop);
         } else {
             if let Some(t) = s.detok.step(&tokenizer, &s.tokens) {
-                if s.stop.push(&t, &r.stop, &mut text) {
+                s.stop_reason = push(&mut s.stop, &t, &mut text);
+                if s.stop_reason.is_some() {
                     finish = Some(FinishReason::Stop);
                 }
             }
-            if finish.is_none() && completion >= r.max_tokens {
+            // A complete grammar ends the output like a length limit (its text is kept).
+            if finish.is_none() && (completion >= r.max_tokens || grammar_done) {
                 if let Some(t) = s.detok.flush(&tokenizer, &s.tokens) {
-                    if s.stop.push(&t, &r.stop, &mut text) {
+                    s.stop_reason = push(&mut s.stop, &t, &mut text);
+                    if s.stop_reason.is_some() {
                         finish = Some(FinishReason::Stop);
                     }
                 }
                 if finish.is_none() {
                     s.stop.flush(&mut text);
-                    finish = Some(FinishReason::Length);
+                    finish = Some(if completion < r.max_tokens { FinishReason::Stop } else { FinishReason::Length });
                 }
             }
         }

@@ -99,7 +99,7 @@ pub fn make_adapters(tag: &str, dims: &LoraModelDims, k: usize, rank: usize, b_s
 /// A LoRA manager for oracle runs holding `paths` as `a0, a1, ...`.
 pub fn oracle_manager(model: &LlamaModel, paths: &[PathBuf]) -> (LoraManager, Vec<AdapterKey>) {
     let cfg = LoraConfig { max_loras_per_batch: paths.len().max(1), max_loaded_loras: paths.len().max(1), max_lora_rank: 64, ..Default::default() };
-    let mut m = LoraManager::new(model.lora_dims(), cfg, model.device.kind()).unwrap();
+    let mut m = LoraManager::new(model.lora_dims(), cfg, model.device.clone()).unwrap();
     let keys = paths.iter().enumerate().map(|(i, p)| m.load_adapter(&format!("a{i}"), p).unwrap()).collect();
     (m, keys)
 }

@@ -6,12 +6,13 @@
 pub mod amx;
 mod attention;
 mod dot;
-pub mod lora;
+mod lora;
+pub mod lora_tiles;
 mod moe;
 pub mod panel;
 pub mod simd;
 
-use crate::{AttnBatch, Device, DeviceKind, ExpertWeights, KvStorage, MoeRouting, QkNorm, RopeTable, Tensor, Weight, WeightData};
+use crate::{AttnBatch, Device, DeviceKind, ExpertWeights, KvStorage, LoraCall, LoraX, MoeRouting, QkNorm, RopeTable, Tensor, Weight, WeightData};
 use rayon::prelude::*;
 
 
@@ -115,6 +116,10 @@ impl Device for CpuDevice {
 
     fn alloc(&self, len: usize) -> Tensor {
         Tensor::zeros_cpu(len)
+    }
+
+    fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
+        lora::apply(call, x, y.as_cpu_mut());
     }
 
     /// Weights are repacked once here for the GEMM that runs them at every M: column panels

@@ -21,177 +21,17 @@
 
 mod blas;
 
-use crate::{AttnBatch, DType, Device, DeviceKind, ExpertWeights, KvLayout, KvStorage, MoeRouting, QkNorm, RopeTable, RouterSpec, Tensor, Weight, WeightData};
+use crate::{AttnBatch, DType, Device, DeviceKind, ExpertWeights, KvLayout, KvStorage, LoraCall, LoraSiteBuffers, LoraSiteShape, LoraTable, LoraX, MoeRouting, QkNorm, RopeTable, RouterSpec, Tensor, Weight, WeightData};
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{result, sys, CudaContext, CudaModule};
 use std::ffi::c_void;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-
-const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("moe.cu"));
-
-/// Bumped by every device allocation: a recorded graph bakes in buffer addresses, so any
-/// allocation (a grown workspace, a new KV store) retires every recording.
-static ALLOC_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// A plain device allocation (cuMemAlloc), freed on drop.
-pub struct DevBuf {
-    ptr: sys::CUdeviceptr,
-    bytes: usize,
-    ctx: Arc<CudaContext>,
-}
-
-impl DevBuf {
-    fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DevBuf> {
-        ctx.bind_to_thread()?;
-        if bytes == 0 {
-            return Ok(DevBuf { ptr: 0, bytes: 0, ctx: ctx.clone() });
-        }
-        let ptr = unsafe { result::malloc_sync(bytes) }.with_context(|| format!("cuMemAlloc of {bytes} bytes"))?;
-        ALLOC_GENERATION.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        unsafe { result::memset_d8_sync(ptr, 0, bytes) }?;
-        Ok(DevBuf { ptr, bytes, ctx: ctx.clone() })
-    }
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-}
-
-impl Drop for DevBuf {
-    fn drop(&mut self) {
-        if self.bytes > 0 && self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated by malloc_sync in this context and freed once.
-            let _ = unsafe { result::free_sync(self.ptr) };
-        }
-    }
-}
-
-/// Page-locked host memory (cuMemHostAlloc), the host end of the copy stream's transfers: a
-/// copy from or to it runs on the DMA engine without the host staging it, so queuing one never
-/// blocks the host.
-struct PinnedBuf {
-    ptr: *mut u8,
-    bytes: usize,
-    ctx: Arc<CudaContext>,
-}
-
-impl PinnedBuf {
-    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<PinnedBuf> {
-        ctx.bind_to_thread()?;
-        if bytes == 0 {
-            return Ok(PinnedBuf { ptr: std::ptr::null_mut(), bytes: 0, ctx: ctx.clone() });
-        }
-        // SAFETY: a plain allocation in the bound context.
-        let ptr = unsafe { result::malloc_host(bytes, 0) }.with_context(|| format!("cuMemHostAlloc of {bytes} bytes"))? as *mut u8;
-        Ok(PinnedBuf { ptr, bytes, ctx: ctx.clone() })
-    }
-    /// The first `len` elements of type `T` (`len · size_of::<T>() ≤ bytes`).
-    fn slice_mut<T: Copy>(&mut self, len: usize) -> &mut [T] {
-        assert!(len * std::mem::size_of::<T>() <= self.bytes, "pinned buffer too small");
-        if len == 0 {
-            return &mut [];
-        }
-        // SAFETY: in bounds (asserted), page-aligned memory we own; any bit pattern is a valid u32/f32.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, len) }
-    }
-}
-
-impl Drop for PinnedBuf {
-    fn drop(&mut self) {
-        if self.bytes > 0 && self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated by malloc_host in this context; no copy uses it any more (the
-            // owner waits for its copies before replacing or dropping it).
-            let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
-        }
-    }
-}
-
-/// Which cuBLAS bf16 GEMMs take their f32 input as a bf16 hi + lo pair (two GEMMs, the second
-/// accumulating) instead of one bf16 rounding: nearly f32 input precision for twice the work.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum SplitGemm {
-    /// `QUIVER_CUDA_SPLIT_GEMM=0`.
-    Never,
-    /// The default: GEMMs over small weights (see [`CudaDevice::splits`]), where the second pass
-    /// re-reads W from L2 and costs microseconds.
-    Small,
-    /// `QUIVER_CUDA_SPLIT_GEMM=1`.
-    Always,
-}
-
-/// A weight counts as small for [`SplitGemm::Small`] up to this many bytes (read twice; at this
-/// size the second read hits L2).
-const SPLIT_MAX_WEIGHT_BYTES: usize = 16 << 20;
-
-/// Largest download staged through the pinned buffer (bytes).
-const PINNED_DOWNLOAD_MAX: usize = 64 << 10;
-
-/// The second stream: per-step metadata up and logits down, through pinned buffers. Ordering
-/// with the compute stream is by events only: an upload waits for the compute work queued
-/// before it (which may still read the previous step's metadata) and the compute stream waits
-/// for the upload; a download waits for the compute work that produced the data.
-struct CopyStream {
-    /// Its own stream, or the compute stream itself with `QUIVER_CUDA_COPY_STREAM=0` (same
-    /// pinned buffers and events, no cross-stream hop: for measuring what the hop costs).
-    stream: sys::CUstream,
-    separate: bool,
-    /// Recorded on the compute stream just before a transfer that must follow its work.
-    compute_mark: sys::CUevent,
-    /// Recorded on the copy stream after the last upload / download.
-    uploaded: sys::CUevent,
-    downloaded: sys::CUevent,
-    /// Nothing has been queued on the compute stream since a download drained it (the end of
-    /// every step): the next upload need not wait for it, which keeps a cross-stream hop off
-    /// the critical path of a step.
-    drained: std::sync::atomic::AtomicBool,
-}
-
-impl CopyStream {
-    fn new(compute: sys::CUstream) -> Result<CopyStream> {
-        let ev = || result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).context("creating a CUDA event");
-        let separate = std::env::var_os("QUIVER_CUDA_COPY_STREAM").is_none_or(|v| v != "0");
-        Ok(CopyStream {
-            stream: if separate { result::stream::create(result::stream::StreamKind::NonBlocking).context("creating the CUDA copy stream")? } else { compute },
-            separate,
-            compute_mark: ev()?,
-            uploaded: ev()?,
-            downloaded: ev()?,
-            drained: std::sync::atomic::AtomicBool::new(false),
-        })
-    }
-}
 
 fn buf(t: &Tensor) -> u64 {
     match t.storage() {
         crate::Storage::Cuda(b) => b.ptr,
         crate::Storage::Cpu(_) => panic!("CUDA op given a host tensor"),
     }
-}
-
-struct Kernels {
-    f32_to_bf16: sys::CUfunction,
-    f32_to_bf16_split: sys::CUfunction,
-    add_bias: sys::CUfunction,
-    add_inplace: sys::CUfunction,
-    embedding_bf16: sys::CUfunction,
-    embedding_f32: sys::CUfunction,
-    gather_rows: sys::CUfunction,
-    rms_norm: sys::CUfunction,
-    add_rms_norm: sys::CUfunction,
-    rope_qk: sys::CUfunction,
-    silu_mul: sys::CUfunction,
-    kv_write: sys::CUfunction,
-    paged_attention: sys::CUfunction,
-    /// Tensor-core prefill attention for head_dim rounded up to 32, 64, 96, 128.
-    prefill_attention: [sys::CUfunction; 4],
-    /// Single-row GEMV for k % 8 == 0 (cp.async-streamed W), and the plain one for any k.
-    gemv1_bf16: sys::CUfunction,
-    gemv1_silu_bf16: sys::CUfunction,
-    gemv1_rope_bf16: sys::CUfunction,
-    gemv_bf16_any_k: sys::CUfunction,
 }
 
 /// Up to this many rows a bf16 GEMM runs as our GEMV (W streamed once, f32 input, bias fused)
@@ -226,19 +66,12 @@ fn prefill_smem_bytes(hdp: usize) -> usize {
     2 * 2 * 64 * (hdp + 8) * 2
 }
 
-/// Where one staged host slice landed in the metadata buffer.
-#[derive(Clone, Copy, Default)]
-struct StagedSlice {
-    addr: usize,
-    len: usize,
-    offset: usize,
-}
-
 /// Mutable per-step state: staged metadata and scratch buffers.
 struct State {
     host_meta: Vec<u32>,
     meta: DevBuf,
-    staged: [StagedSlice; 6],
+    /// The batch's six slices, then up to `MAX_EXTRA` from `stage_batch`'s `extra` (LoRA groups).
+    staged: [StagedSlice; 6 + MAX_EXTRA],
     /// Offset of the row → sequence map derived from `seq_starts` at staging.
     row_seq: Option<StagedSlice>,
     /// Offset and count of the prefill-attention tiles (first row, rows, sequence) of the
@@ -250,49 +83,13 @@ struct State {
     /// the op that produced it, valid while nothing else has run on the device since (`touches`
     /// unchanged). A cuBLAS GEMM on exactly that input then skips its conversion.
     shadow: Option<(u64, usize, u64)>,
+    /// LoRA shrink output, `[1 + splits][rows][n·R]` f32, and its split-k counters (see `lora.rs`).
+    lora_t: DevBuf,
+    lora_counters: DevBuf,
     /// Host ends of the copy stream: staged metadata, downloaded data.
     pin_up: PinnedBuf,
     pin_down: PinnedBuf,
 }
-
-/// Optional per-op GPU timing (`QUIVER_CUDA_PROFILE=1`): an event is recorded on the stream
-/// after every op; at each host sync the intervals between consecutive events are charged to
-/// the op that ended them (launch gaps included, which is the point), and the totals are printed
-/// when the device is dropped. Off, it costs one branch per op.
-#[derive(Default)]
-struct Profiler {
-    pool: Vec<sys::CUevent>,
-    used: Vec<&'static str>,
-    totals: Vec<(&'static str, f64, u64)>,
-    /// Host time from the step's staging to its final copy being queued (issuing work), and
-    /// host time then spent waiting for the GPU: issue ≫ wait means the host is the bottleneck.
-    step_start: Option<std::time::Instant>,
-    issue_s: f64,
-    wait_s: f64,
-    steps: u64,
-}
-
-/// Recorded decode steps (CUDA graphs), by batch shape.
-#[derive(Default)]
-struct Graphs {
-    generation: u64,
-    execs: Vec<(u64, sys::CUgraphExec)>,
-    /// Shapes whose recording failed: they run eagerly.
-    failed: Vec<u64>,
-}
-
-impl Graphs {
-    fn clear(&mut self) {
-        for (_, e) in self.execs.drain(..) {
-            // SAFETY: instantiated by us, destroyed once.
-            let _ = unsafe { result::graph::exec_destroy(e) };
-        }
-    }
-}
-
-/// Most shapes kept (a decode batch shape per running-sequence count, plus a few logits layouts);
-/// past that, new shapes run eagerly.
-const MAX_GRAPHS: usize = 320;
 
 pub struct CudaDevice {
     ordinal: usize,
@@ -323,21 +120,16 @@ pub struct CudaDevice {
     touches: std::sync::atomic::AtomicU64,
     /// Single-row GEMVs take RoPE and SiLU·mul into their epilogue (`QUIVER_CUDA_FUSE_EPILOGUES=0`: not).
     fuse_epilogues: bool,
+    /// Largest LoRA site geometry allocated (sizes the shrink scratch).
+    lora_geom: Mutex<lora::LoraGeometry>,
+    /// A step is being recorded: launches must not depend on the step's data.
+    recording: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the raw stream and function handles are used only under the device's discipline
 // (one stream, the context bound on every calling thread before use).
 unsafe impl Send for CudaDevice {}
 unsafe impl Sync for CudaDevice {}
-
-/// What a single-row GEMV does with its output (`GV_PLAIN`, `GV_SILU`, `GV_ROPE` in kernels.cu).
-enum Gemv1Epilogue<'a> {
-    Plain,
-    /// `y[i] = silu(gate_i) · up_i` over a fused `[gate; up]` weight: `Device::silu_mul` fused.
-    SiluMul,
-    /// RoPE on the q and k heads of a fused qkv output at the row's position: `Device::rope_qk` fused.
-    Rope { positions: &'a [u32], heads_qk: usize, table: &'a RopeTable },
-}
 
 /// Launch `f` with the given arguments (each passed by value, in order).
 macro_rules! launch {
@@ -357,7 +149,23 @@ macro_rules! launch {
     }};
 }
 
+// The op families, each in its file; declared after `launch!` so they can use it.
+mod gemm;
+mod graphs;
+mod lora;
+mod memory;
+mod module;
 pub mod moe;
+mod profile;
+mod transfer;
+
+use gemm::SplitGemm;
+use graphs::Graphs;
+pub use memory::DevBuf;
+use memory::{PinnedBuf, ALLOC_GENERATION};
+use module::{check_libraries, kernels_ptx, Kernels};
+use profile::Profiler;
+use transfer::{CopyStream, StagedSlice, MAX_EXTRA, PINNED_DOWNLOAD_MAX};
 
 /// Threads for a one-block-per-row kernel walking `items` per row: one item each (as a whole
 /// warp count), at most 1024. A decode row is then one load per thread instead of a serial chain.
@@ -380,61 +188,6 @@ fn grid1(n: usize, threads: u32) -> (u32, u32, u32) {
     ((n.div_ceil(threads as usize)).clamp(1, 65535 * 8) as u32, 1, 1)
 }
 
-fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("QUIVER_CACHE_DIR") {
-        return PathBuf::from(d).join("kernels");
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(d).join("quiver").join("kernels");
-    }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-    home.join(".cache").join("quiver").join("kernels")
-}
-
-/// PTX for `arch`, from the disk cache or freshly compiled by NVRTC.
-fn kernels_ptx(arch: &str) -> Result<String> {
-    // A toolchain change may change the hash: that only costs one recompilation.
-    let key = {
-        use std::hash::{DefaultHasher, Hash, Hasher};
-        let mut h = DefaultHasher::new();
-        (arch, KERNELS_SRC).hash(&mut h);
-        h.finish()
-    };
-    let path = cache_dir().join(format!("quiver-{key:016x}-{arch}.ptx"));
-    if let Ok(s) = std::fs::read_to_string(&path) {
-        return Ok(s);
-    }
-    let opts = cudarc::nvrtc::CompileOptions { options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()], ..Default::default() };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS_SRC, opts).map_err(|e| anyhow::anyhow!("NVRTC failed to compile Quiver's kernels for {arch}: {e:?}"))?;
-    let src = ptx.to_src();
-    // The cache is an optimization: failing to write it is not an error.
-    if std::fs::create_dir_all(path.parent().unwrap()).is_ok() {
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &src).is_ok() {
-            let _ = std::fs::rename(&tmp, &path);
-        }
-    }
-    Ok(src)
-}
-
-/// Checks that the CUDA libraries we load at run time are present, naming the missing one.
-fn check_libraries() -> Result<()> {
-    // SAFETY: these only try to dlopen the libraries.
-    let present = unsafe {
-        [
-            ("the CUDA driver (libcuda.so)", cudarc::driver::sys::is_culib_present()),
-            ("NVRTC (libnvrtc.so)", cudarc::nvrtc::sys::is_culib_present()),
-            ("cuBLAS (libcublas.so)", cudarc::cublas::sys::is_culib_present()),
-        ]
-    };
-    for (what, ok) in present {
-        if !ok {
-            bail!("CUDA device requested but {what} could not be loaded: is an NVIDIA driver and CUDA runtime installed, and on LD_LIBRARY_PATH?");
-        }
-    }
-    Ok(())
-}
-
 impl CudaDevice {
     pub fn new(ordinal: usize) -> Result<Self> {
         check_libraries()?;
@@ -452,35 +205,8 @@ impl CudaDevice {
         let arch = format!("sm_{maj}{min}");
         let ptx = kernels_ptx(&arch)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).context("loading Quiver's CUDA kernels")?;
-        let f = |n: &str| -> Result<sys::CUfunction> { Ok(module.load_function(n).with_context(|| format!("kernel {n}"))?.cu_function()) };
-        let k = Kernels {
-            f32_to_bf16: f("f32_to_bf16")?,
-            f32_to_bf16_split: f("f32_to_bf16_split")?,
-            add_bias: f("add_bias")?,
-            add_inplace: f("add_inplace")?,
-            embedding_bf16: f("embedding_bf16")?,
-            embedding_f32: f("embedding_f32")?,
-            gather_rows: f("gather_rows")?,
-            rms_norm: f("rms_norm")?,
-            add_rms_norm: f("add_rms_norm")?,
-            rope_qk: f("rope_qk")?,
-            silu_mul: f("silu_mul")?,
-            kv_write: f("kv_write")?,
-            paged_attention: f("paged_attention")?,
-            prefill_attention: [f("prefill_attention_32")?, f("prefill_attention_64")?, f("prefill_attention_96")?, f("prefill_attention_128")?],
-            gemv1_bf16: f("gemv1_bf16")?,
-            gemv1_silu_bf16: f("gemv1_silu_bf16")?,
-            gemv1_rope_bf16: f("gemv1_rope_bf16")?,
-            gemv_bf16_any_k: f("gemv_bf16_1")?,
-        };
-        let moe_k = moe::MoeKernels::load(&f)?;
-        for (i, &pf) in k.prefill_attention.iter().enumerate() {
-            let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;
-            // SAFETY: a function of the module just loaded; the value is within the H100/H200's
-            // 227 KB per block (and within an sm_80's 163 KB).
-            unsafe { result::function::set_function_attribute(pf, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes) }
-                .context("raising the prefill attention's shared-memory limit")?;
-        }
+        let k = Kernels::load(&module)?;
+        let moe_k = moe::MoeKernels::load(&|n: &str| Ok(module.load_function(n).with_context(|| format!("kernel {n}"))?.cu_function()))?;
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking).context("creating a CUDA stream")?;
         let graph_max_rows = std::env::var("QUIVER_CUDA_GRAPH_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(GRAPH_MAX_ROWS).min(GRAPH_MAX_ROWS);
         let blas_workspace = if graph_max_rows > GEMV_MAX_M { Some(DevBuf::zeroed(&ctx, BLAS_WORKSPACE)?) } else { None };
@@ -488,7 +214,9 @@ impl CudaDevice {
         let state = State {
             host_meta: Vec::new(),
             meta: DevBuf::zeroed(&ctx, 0)?,
-            staged: [StagedSlice::default(); 6],
+            staged: [StagedSlice::default(); 6 + MAX_EXTRA],
+            lora_t: DevBuf::zeroed(&ctx, 0)?,
+            lora_counters: DevBuf::zeroed(&ctx, 0)?,
             row_seq: None,
             tiles: (0, 0),
             side: DevBuf::zeroed(&ctx, 0)?,
@@ -530,6 +258,8 @@ impl CudaDevice {
             pdl,
             touches: Default::default(),
             fuse_epilogues,
+            lora_geom: Mutex::new(lora::LoraGeometry::default()),
+            recording: Default::default(),
         })
     }
 
@@ -582,71 +312,9 @@ impl CudaDevice {
         sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()).result()
     }
 
-    /// A single-row GEMV by a bf16 weight with `k % 8 == 0`, its epilogue fused (kernels.cu:
-    /// `gemv1_body`).
-    fn gemv1(&self, w: &Weight, x: &Tensor, bias: Option<&Tensor>, y: &mut Tensor, epilogue: Gemv1Epilogue<'_>) {
-        let WeightData::Cuda(wb, DType::Bf16) = &w.data else { panic!("gemv1 takes a bf16 device weight") };
-        let (n, k) = (w.rows, w.cols);
-        debug_assert!(k.is_multiple_of(8));
-        let (f, warps, extra, head_dim, max_pos, pos, cos, sin) = match epilogue {
-            Gemv1Epilogue::Plain => (self.k.gemv1_bf16, n.div_ceil(2), 0, 0, 0, 0, 0, 0),
-            Gemv1Epilogue::SiluMul => (self.k.gemv1_silu_bf16, n / 2, n / 2, 0, 0, 0, 0, 0),
-            Gemv1Epilogue::Rope { positions, heads_qk, table } => {
-                let pos = self.meta_ptr(&mut self.state.lock().unwrap(), &positions[..1]);
-                (self.k.gemv1_rope_bf16, n / 2, heads_qk, table.head_dim, table.max_pos, pos, buf(&table.cos), buf(&table.sin))
-            }
-        };
-        let blocks = warps.div_ceil(GEMV1_WARPS_PER_BLOCK);
-        launch!(self, f, (blocks as u32, 1, 1), (32 * GEMV1_WARPS_PER_BLOCK as u32, 1, 1);
-            buf(x), wb.ptr, bias.map(buf).unwrap_or(0), buf(y), n as i32, k as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin);
-    }
-
-    /// Whether a fused single-row GEMV applies: one row, a bf16 weight, `k % 8 == 0`.
-    fn gemv1_fits(&self, m: usize, w: &Weight) -> bool {
-        self.fuse_epilogues && m == 1 && w.cols.is_multiple_of(8) && matches!(w.data, WeightData::Cuda(_, DType::Bf16))
-    }
-
-    /// Whether a multi-row bf16 GEMM over an `n × k` weight takes the hi + lo split of its input.
-    /// Over small weights it does: every GEMM of a model like SmolLM2 (hidden 576) is a few
-    /// microseconds of launch-bound work on an H200, and its input rounded once to bf16 at every
-    /// GEMM of 30 layers moved logprobs by up to 0.14 against f32 (0.06–0.08 with the split).
-    /// Over big ones (every Llama-8B projection) it does not: there the second pass would cost
-    /// throughput. The choice depends on the weight only, never on the batch, so a row is
-    /// computed the same way whatever shares its step (the single-row GEMV reads f32 input
-    /// anyway).
-    fn splits(&self, n: usize, k: usize) -> bool {
-        match self.split_gemm {
-            SplitGemm::Always => true,
-            SplitGemm::Never => false,
-            SplitGemm::Small => 2 * n * k <= SPLIT_MAX_WEIGHT_BYTES,
-        }
-    }
-
-    /// Replays a recorded step on the compute stream.
-    fn launch_graph(&self, exec: sys::CUgraphExec) {
-        self.copy.drained.store(false, std::sync::atomic::Ordering::Relaxed);
-        // SAFETY: callers pass a live executable graph of this context whose buffers are unchanged.
-        unsafe { result::graph::launch(exec, self.stream) }.unwrap_or_else(|e| panic!("CUDA graph launch on {}: {e:?}", self.name));
-    }
-
     fn touch(&self) {
         self.touches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.copy.drained.store(false, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Where an op producing a `rows × cols` GEMM input `out` also writes its bf16 copy, or null
-    /// when the consuming matmul will not be a plain cuBLAS bf16 GEMM (single rows take the GEMV;
-    /// the split mode converts itself). Call `set_shadow` after launching the producer.
-    fn shadow_for(&self, st: &mut State, rows: usize, cols: usize) -> u64 {
-        if rows <= GEMV_MAX_M || self.split_gemm == SplitGemm::Always {
-            return 0;
-        }
-        self.grow(&mut st.xbf, rows * cols * 2);
-        st.xbf.ptr
-    }
-
-    fn set_shadow(&self, st: &mut State, outb: u64, out: u64, len: usize) {
-        st.shadow = (outb != 0).then(|| (out, len, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
     }
 
     /// Median GPU time of one run of `body`, in milliseconds, over `reps` runs each timed by a pair
@@ -681,40 +349,6 @@ impl CudaDevice {
         unsafe { result::memcpy_dtod_async(buf(dst), buf(src), len * 4, self.stream) }.unwrap_or_else(|e| panic!("device copy on {}: {e:?}", self.name));
     }
 
-    /// Profiling: marks the end of op `what` on the stream.
-    fn mark(&self, what: &'static str) {
-        let Some(p) = &self.profiler else { return };
-        let mut p = p.lock().unwrap();
-        let i = p.used.len();
-        if i == p.pool.len() {
-            match result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT) {
-                Ok(e) => p.pool.push(e),
-                Err(_) => return,
-            }
-        }
-        if unsafe { result::event::record(p.pool[i], self.stream) }.is_ok() {
-            p.used.push(what);
-        }
-    }
-
-    /// Profiling: after a host sync, charges the recorded intervals to their ops.
-    fn collect_profile(&self) {
-        let Some(p) = &self.profiler else { return };
-        let mut p = p.lock().unwrap();
-        let Profiler { pool, used, totals, .. } = &mut *p;
-        for i in 1..used.len() {
-            let ms = unsafe { result::event::elapsed(pool[i - 1], pool[i]) }.unwrap_or(0.0) as f64;
-            match totals.iter_mut().find(|t| t.0 == used[i]) {
-                Some(t) => {
-                    t.1 += ms;
-                    t.2 += 1;
-                }
-                None => totals.push((used[i], ms, 1)),
-            }
-        }
-        used.clear();
-    }
-
     fn grow(&self, b: &mut DevBuf, bytes: usize) {
         if b.bytes < bytes {
             // Queued kernels may still read the old buffer.
@@ -733,82 +367,6 @@ impl CudaDevice {
         unsafe { result::memcpy_htod_async(dst, src, self.stream) }.unwrap_or_else(|e| panic!("host→device copy on {}: {e:?}", self.name));
     }
 
-    /// Device address of a host metadata slice: its staged copy, or a fresh side upload.
-    fn meta_ptr(&self, st: &mut State, s: &[u32]) -> u64 {
-        let addr = s.as_ptr() as usize;
-        if let Some(e) = st.staged.iter().find(|e| e.addr == addr && e.len == s.len() && e.len > 0) {
-            return st.meta.ptr + 4 * e.offset as u64;
-        }
-        self.grow(&mut st.side, s.len() * 4);
-        self.htod(st.side.ptr, s);
-        st.side.ptr
-    }
-
-    fn stage(&self, st: &mut State, ids: &[u32], b: &AttnBatch<'_>, logits_rows: &[u32]) {
-        let State { host_meta, staged, row_seq, tiles, .. } = st;
-        host_meta.clear();
-        let slices: [&[u32]; 6] = [ids, b.positions, b.seq_starts, b.ctx_lens, b.block_tables, logits_rows];
-        for (i, s) in slices.iter().enumerate() {
-            staged[i] = StagedSlice { addr: s.as_ptr() as usize, len: s.len(), offset: host_meta.len() };
-            host_meta.extend_from_slice(s);
-        }
-        let offset = host_meta.len();
-        let nseq = b.seq_starts.len().saturating_sub(1);
-        for s in 0..nseq {
-            for _ in b.seq_starts[s]..b.seq_starts[s + 1] {
-                host_meta.push(s as u32);
-            }
-        }
-        *row_seq = Some(StagedSlice { addr: b.positions.as_ptr() as usize, len: b.positions.len(), offset });
-        let tiles_at = host_meta.len();
-        for s in 0..nseq {
-            let (a, e) = (b.seq_starts[s], b.seq_starts[s + 1]);
-            for r0 in (a..e).step_by(PREFILL_ROWS) {
-                host_meta.extend_from_slice(&[r0, (e - r0).min(PREFILL_ROWS as u32), s as u32]);
-            }
-        }
-        *tiles = (tiles_at, (host_meta.len() - tiles_at) / 3);
-        let bytes = host_meta.len() * 4;
-        self.grow(&mut st.meta, bytes);
-        self.upload_meta(st);
-    }
-
-    /// `host_meta` into `meta` on the copy stream; the compute stream's later work waits for it.
-    fn upload_meta(&self, st: &mut State) {
-        let c = &self.copy;
-        let fail = |what: &str, e: cudarc::driver::DriverError| -> ! { panic!("{what} on {}: {e:?}", self.name) };
-        // The pinned buffer is free again once its previous upload finished (long ago, normally).
-        unsafe { result::event::synchronize(c.uploaded) }.unwrap_or_else(|e| fail("waiting for the last upload", e));
-        let drained = c.drained.swap(false, std::sync::atomic::Ordering::Relaxed);
-        let bytes = st.host_meta.len() * 4;
-        if st.pin_up.bytes < bytes {
-            st.pin_up = PinnedBuf::new(&self.ctx, bytes.next_power_of_two()).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
-        }
-        st.pin_up.slice_mut::<u32>(st.host_meta.len()).copy_from_slice(&st.host_meta);
-        self.touch();
-        // SAFETY: events and streams of this context; the source is pinned memory that is not
-        // written again before `uploaded` fires (waited on above), the destination has `bytes`.
-        unsafe {
-            // Kernels queued so far may still read the previous step's metadata.
-            if !drained {
-                result::event::record(c.compute_mark, self.stream).unwrap_or_else(|e| fail("event record", e));
-                result::stream::wait_event(c.stream, c.compute_mark, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).unwrap_or_else(|e| fail("copy stream wait", e));
-            }
-            result::memcpy_htod_async(st.meta.ptr, st.pin_up.slice_mut::<u32>(st.host_meta.len()), c.stream).unwrap_or_else(|e| fail("metadata upload", e));
-            result::event::record(c.uploaded, c.stream).unwrap_or_else(|e| fail("event record", e));
-            result::stream::wait_event(self.stream, c.uploaded, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).unwrap_or_else(|e| fail("compute stream wait", e));
-        }
-    }
-
-    /// Device address of the row → sequence map for the batch whose positions are `positions`.
-    fn row_seq_ptr(&self, st: &mut State, b: &AttnBatch<'_>) -> u64 {
-        let staged_here = matches!(st.row_seq, Some(e) if e.addr == b.positions.as_ptr() as usize && e.len == b.positions.len());
-        if !staged_here {
-            // An op called outside a staged forward: stage this batch now.
-            self.stage(st, &[], b, &[]);
-        }
-        st.meta.ptr + 4 * st.row_seq.unwrap().offset as u64
-    }
 }
 
 impl Device for CudaDevice {
@@ -915,139 +473,26 @@ impl Device for CudaDevice {
         KvStorage { layout, k: (0..layout.num_layers).map(|_| mk()).collect(), v: (0..layout.num_layers).map(|_| mk()).collect() }
     }
 
-    fn stage_batch(&self, ids: &[u32], batch: &AttnBatch<'_>, logits_rows: &[u32]) {
+    fn stage_batch(&self, ids: &[u32], batch: &AttnBatch<'_>, logits_rows: &[u32], extra: &[&[u32]]) {
         self.bind();
         let mut st = self.state.lock().unwrap();
-        self.stage(&mut st, ids, batch, logits_rows);
+        if extra.iter().any(|e| !e.is_empty()) {
+            // Before the step may be recorded: a recording cannot grow it.
+            self.lora_reserve(&mut st, ids.len().max(logits_rows.len()));
+        }
+        self.stage(&mut st, ids, batch, logits_rows, extra);
         self.mark("stage_batch");
         if let Some(p) = &self.profiler {
             p.lock().unwrap().step_start = Some(std::time::Instant::now());
         }
     }
 
-    /// Pure decode steps (one row per sequence, at most `graph_max_rows`) are recorded as a
-    /// CUDA graph the first time their shape is seen and replayed after: one launch per step
-    /// instead of ~10 per layer. Issuing launches bounds eager decode on the H200 VM (7.8 ms of
-    /// host issue time per 8B step against microseconds of waiting); replay took batch-1 decode
-    /// from 157 to 169 tok/s. Prefill steps run eagerly: their shapes rarely repeat.
     fn run_step(&self, rows: usize, shape: Option<u64>, body: &mut dyn FnMut()) {
-        let (Some(graphs), Some(key)) = (&self.graphs, shape) else { return body() };
-        if rows == 0 || rows > self.graph_max_rows {
-            return body();
-        }
-        self.bind();
-        let decode = {
-            let mut st = self.state.lock().unwrap();
-            let decode = st.tiles.1 == rows; // otherwise some sequence brings several rows: prefill
-            if decode && rows > GEMV_MAX_M {
-                // Size the GEMM input scratch now: it may not grow while recording.
-                let per_elem = if self.split_gemm == SplitGemm::Never { 2 } else { 4 };
-                self.grow(&mut st.xbf, rows * GRAPH_MAX_K * per_elem);
-            }
-            decode
-        }; // the ops in `body` take the state lock themselves
-        if !decode {
-            return body();
-        }
-        let mut g = graphs.lock().unwrap();
-        if g.failed.contains(&key) {
-            return body();
-        }
-        let generation = ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst);
-        if g.generation != generation {
-            g.clear();
-            g.generation = generation;
-        }
-        if let Some(&(_, exec)) = g.execs.iter().find(|e| e.0 == key) {
-            // SAFETY: a live executable graph of this context; its buffers are unchanged
-            // (same allocation generation).
-            self.launch_graph(exec);
-            return;
-        }
-        if g.execs.len() >= MAX_GRAPHS {
-            return body();
-        }
-        // Record. A failure leaves the step unexecuted: run it eagerly, and this shape always.
-        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        if unsafe { result::stream::begin_capture(self.stream, mode) }.is_err() {
-            g.failed.push(key);
-            return body();
-        }
-        body();
-        let exec = unsafe { result::stream::end_capture(self.stream) }.and_then(|graph| {
-            let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) };
-            let _ = unsafe { result::graph::destroy(graph) };
-            exec
-        });
-        let exec = match exec {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::warn!("CUDA graph capture of a {rows}-row step failed on {} ({e:?}); that shape runs eagerly", self.name);
-                g.failed.push(key);
-                return body();
-            }
-        };
-        self.launch_graph(exec);
-        if ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst) != generation {
-            // Something was allocated while recording (its address is baked in but may move):
-            // use this recording once only.
-            self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
-            let _ = unsafe { result::graph::exec_destroy(exec) };
-        } else {
-            g.execs.push((key, exec));
-        }
+        self.run_step_recorded(rows, shape, body)
     }
 
     fn matmul(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor) {
-        self.bind();
-        if m == 0 {
-            return;
-        }
-        let (k, n) = (w.cols, w.rows);
-        let WeightData::Cuda(wb, dtype) = &w.data else { panic!("CUDA matmul given a host weight (load it with Device::load_weight)") };
-        match dtype {
-            DType::Bf16 if m <= GEMV_MAX_M => {
-                if k.is_multiple_of(8) {
-                    self.gemv1(w, x, bias, y, Gemv1Epilogue::Plain);
-                } else {
-                    let bp = bias.map(buf).unwrap_or(0);
-                    launch!(self, self.k.gemv_bf16_any_k, (n.div_ceil(8) as u32, 1, 1), (256, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32);
-                }
-                self.mark("matmul gemv");
-                return;
-            }
-            DType::Bf16 if self.splits(n, k) => {
-                let mut st = self.state.lock().unwrap();
-                self.grow(&mut st.xbf, m * k * 4);
-                let (hi, lo) = (st.xbf.ptr, st.xbf.ptr + (m * k * 2) as u64);
-                launch!(self, self.k.f32_to_bf16_split, grid1(m * k, 256), (256, 1, 1); buf(x), hi, lo, (m * k) as i64);
-                self.mark("matmul input to bf16");
-                self.touch();
-                let e1 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, hi, buf(y), false);
-                let e2 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, lo, buf(y), true);
-                e1.and(e2).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
-            }
-            DType::Bf16 => {
-                let mut st = self.state.lock().unwrap();
-                let touches = self.touches.load(std::sync::atomic::Ordering::Relaxed);
-                if st.shadow.take() != Some((buf(x), m * k, touches)) {
-                    self.grow(&mut st.xbf, m * k * 2);
-                    launch!(self, self.k.f32_to_bf16, grid1(m * k, 256), (256, 1, 1); buf(x), st.xbf.ptr, (m * k) as i64);
-                    self.mark("matmul input to bf16");
-                }
-                self.touch();
-                self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, st.xbf.ptr, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
-            }
-            DType::F32 => {
-                self.touch();
-                self.blas.gemm_xwt(blas::Operand::F32, m, n, k, wb.ptr, buf(x), buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
-            }
-        }
-        self.mark("matmul cublas");
-        if let Some(b) = bias {
-            launch!(self, self.k.add_bias, grid1(m * n, 256), (256, 1, 1); buf(y), buf(b), n as i32, (m * n) as i64);
-            self.mark("bias");
-        }
+        self.matmul_impl(x, m, w, bias, y)
     }
 
     fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) {
@@ -1113,23 +558,12 @@ impl Device for CudaDevice {
     }
 
     fn matmul_silu_mul(&self, x: &Tensor, m: usize, w: &Weight, gate_up: &mut Tensor, out: &mut Tensor) {
-        self.bind();
-        if !self.gemv1_fits(m, w) {
-            self.matmul(x, m, w, None, gate_up);
-            return self.silu_mul(gate_up, m, w.rows / 2, out);
-        }
-        self.gemv1(w, x, None, out, Gemv1Epilogue::SiluMul);
-        self.mark("matmul gemv + silu_mul");
+        self.matmul_silu_mul_impl(x, m, w, gate_up, out)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn matmul_rope_qk(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, qkv: &mut Tensor, positions: &[u32], n_heads: usize, n_kv_heads: usize, table: &RopeTable) {
-        self.bind();
-        if !self.gemv1_fits(m, w) || table.rotary_dim != table.head_dim {
-            self.matmul(x, m, w, bias, qkv);
-            return self.rope_qk(qkv, m, positions, n_heads, n_kv_heads, table);
-        }
-        self.gemv1(w, x, bias, qkv, Gemv1Epilogue::Rope { positions, heads_qk: n_heads + n_kv_heads, table });
-        self.mark("matmul gemv + rope");
+        self.matmul_rope_qk_impl(x, m, w, bias, qkv, positions, n_heads, n_kv_heads, table)
     }
 
     fn silu_mul(&self, gate_up: &Tensor, rows: usize, inter: usize, out: &mut Tensor) {
@@ -1179,6 +613,38 @@ impl Device for CudaDevice {
                 buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), n_heads as i32, l.n_kv_heads as i32, l.head_dim as i32, l.block_size as i32, scale);
             self.mark("attention decode");
         }
+    }
+
+    fn stats(&self) -> Option<String> {
+        Some(self.graph_stats())
+    }
+
+    fn wait(&self) {
+        self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+    }
+
+    fn lora_alloc_site(&self, shape: LoraSiteShape) -> LoraSiteBuffers {
+        self.lora_alloc_site_impl(shape)
+    }
+
+    fn lora_alloc_table(&self, entries: usize, slots: usize) -> LoraTable {
+        self.lora_alloc_table_impl(entries, slots)
+    }
+
+    fn lora_write_slot(&self, buf: &mut LoraSiteBuffers, slot: usize, fill: &mut dyn FnMut(&mut [f32], &mut [f32])) {
+        self.lora_write_slot_impl(buf, slot, fill)
+    }
+
+    fn lora_sync_table(&self, table: &mut LoraTable) {
+        self.lora_sync_table_impl(table)
+    }
+
+    fn lora_tile_rows(&self) -> usize {
+        lora::TILE_ROWS
+    }
+
+    fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
+        self.lora_apply_impl(call, x, y)
     }
 
     fn gather_rows(&self, x: &Tensor, rows: &[u32], dim: usize, out: &mut Tensor) {

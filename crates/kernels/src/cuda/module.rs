@@ -1,0 +1,136 @@
+//! Our CUDA C kernels: compiled by NVRTC for the GPU at start-up (PTX cached on disk, keyed by
+//! a hash of source and architecture), and the handles of every kernel function.
+
+use super::{lora, prefill_smem_bytes};
+use anyhow::{bail, Context, Result};
+use cudarc::driver::{result, sys, CudaModule};
+use std::sync::Arc;
+use std::path::PathBuf;
+
+/// `kernels.cu` then `lora.cu`, one module (the LoRA kernels use the helpers above them).
+pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("lora.cu"), include_str!("moe.cu"));
+
+pub(super) struct Kernels {
+    pub(super) f32_to_bf16: sys::CUfunction,
+    pub(super) f32_to_bf16_split: sys::CUfunction,
+    pub(super) add_bias: sys::CUfunction,
+    pub(super) add_inplace: sys::CUfunction,
+    pub(super) embedding_bf16: sys::CUfunction,
+    pub(super) embedding_f32: sys::CUfunction,
+    pub(super) gather_rows: sys::CUfunction,
+    pub(super) rms_norm: sys::CUfunction,
+    pub(super) add_rms_norm: sys::CUfunction,
+    pub(super) rope_qk: sys::CUfunction,
+    pub(super) silu_mul: sys::CUfunction,
+    pub(super) kv_write: sys::CUfunction,
+    pub(super) paged_attention: sys::CUfunction,
+    /// Tensor-core prefill attention for head_dim rounded up to 32, 64, 96, 128.
+    pub(super) prefill_attention: [sys::CUfunction; 4],
+    /// Single-row GEMV for k % 8 == 0 (cp.async-streamed W), and the plain one for any k.
+    pub(super) gemv1_bf16: sys::CUfunction,
+    pub(super) gemv1_silu_bf16: sys::CUfunction,
+    pub(super) gemv1_rope_bf16: sys::CUfunction,
+    pub(super) gemv_bf16_any_k: sys::CUfunction,
+    pub(super) lora_shrink: sys::CUfunction,
+    pub(super) lora_shrink_mma: sys::CUfunction,
+    pub(super) lora_shrink_ids: sys::CUfunction,
+    pub(super) lora_expand: sys::CUfunction,
+}
+
+impl Kernels {
+    /// The handles of every kernel in `module`, with the shared-memory limits raised where a
+    /// kernel needs more than the default 48 KB.
+    pub(super) fn load(module: &Arc<CudaModule>) -> Result<Kernels> {
+        let f = |n: &str| -> Result<sys::CUfunction> { Ok(module.load_function(n).with_context(|| format!("kernel {n}"))?.cu_function()) };
+        let k = Kernels {
+            f32_to_bf16: f("f32_to_bf16")?,
+            f32_to_bf16_split: f("f32_to_bf16_split")?,
+            add_bias: f("add_bias")?,
+            add_inplace: f("add_inplace")?,
+            embedding_bf16: f("embedding_bf16")?,
+            embedding_f32: f("embedding_f32")?,
+            gather_rows: f("gather_rows")?,
+            rms_norm: f("rms_norm")?,
+            add_rms_norm: f("add_rms_norm")?,
+            rope_qk: f("rope_qk")?,
+            silu_mul: f("silu_mul")?,
+            kv_write: f("kv_write")?,
+            paged_attention: f("paged_attention")?,
+            prefill_attention: [f("prefill_attention_32")?, f("prefill_attention_64")?, f("prefill_attention_96")?, f("prefill_attention_128")?],
+            gemv1_bf16: f("gemv1_bf16")?,
+            gemv1_silu_bf16: f("gemv1_silu_bf16")?,
+            gemv1_rope_bf16: f("gemv1_rope_bf16")?,
+            gemv_bf16_any_k: f("gemv_bf16_1")?,
+            lora_shrink: f("lora_shrink")?,
+            lora_shrink_mma: f("lora_shrink_mma")?,
+            lora_shrink_ids: f("lora_shrink_ids")?,
+            lora_expand: f("lora_expand")?,
+        };
+        for (i, &pf) in k.prefill_attention.iter().enumerate() {
+            let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;
+            // SAFETY: a function of the module just loaded; the value is within the H100/H200's
+            // 227 KB per block (and within an sm_80's 163 KB).
+            unsafe { result::function::set_function_attribute(pf, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes) }
+                .context("raising the prefill attention's shared-memory limit")?;
+        }
+        // SAFETY: as above; within every sm_80+ GPU's per-block limit.
+        unsafe { result::function::set_function_attribute(k.lora_expand, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, lora::EXPAND_MAX_SMEM as i32) }
+            .context("raising the LoRA expand's shared-memory limit")?;
+        Ok(k)
+    }
+}
+
+fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("QUIVER_CACHE_DIR") {
+        return PathBuf::from(d).join("kernels");
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("quiver").join("kernels");
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    home.join(".cache").join("quiver").join("kernels")
+}
+
+/// PTX for `arch`, from the disk cache or freshly compiled by NVRTC.
+pub(super) fn kernels_ptx(arch: &str) -> Result<String> {
+    // A toolchain change may change the hash: that only costs one recompilation.
+    let key = {
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        let mut h = DefaultHasher::new();
+        (arch, KERNELS_SRC).hash(&mut h);
+        h.finish()
+    };
+    let path = cache_dir().join(format!("quiver-{key:016x}-{arch}.ptx"));
+    if let Ok(s) = std::fs::read_to_string(&path) {
+        return Ok(s);
+    }
+    let opts = cudarc::nvrtc::CompileOptions { options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()], ..Default::default() };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS_SRC, opts).map_err(|e| anyhow::anyhow!("NVRTC failed to compile Quiver's kernels for {arch}: {e:?}"))?;
+    let src = ptx.to_src();
+    // The cache is an optimization: failing to write it is not an error.
+    if std::fs::create_dir_all(path.parent().unwrap()).is_ok() {
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &src).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(src)
+}
+
+/// Checks that the CUDA libraries we load at run time are present, naming the missing one.
+pub(super) fn check_libraries() -> Result<()> {
+    // SAFETY: these only try to dlopen the libraries.
+    let present = unsafe {
+        [
+            ("the CUDA driver (libcuda.so)", cudarc::driver::sys::is_culib_present()),
+            ("NVRTC (libnvrtc.so)", cudarc::nvrtc::sys::is_culib_present()),
+            ("cuBLAS (libcublas.so)", cudarc::cublas::sys::is_culib_present()),
+        ]
+    };
+    for (what, ok) in present {
+        if !ok {
+            bail!("CUDA device requested but {what} could not be loaded: is an NVIDIA driver and CUDA runtime installed, and on LD_LIBRARY_PATH?");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,314 @@
+//! LoRA as device ops: the slot storage of a LoRA site, the per-step grouping of rows by
+//! adapter slot, and the contract of [`crate::Device::lora_apply`], in layouts every device
+//! shares.
+//!
+//! # The op
+//! For every grouped row `t` with slot `w` and site rank `r = ranks[w] > 0`, and each slice `j`
+//! of the site (qkv has 3 slices of different widths, gate_up 2, the others 1):
+//!
+//! `y[t, off_j..off_{j+1}] += s_{w,j} · (x[t] · A[w, j·r..j·r + r]ᵀ) · Bᵀ[w, 0..r, off_j..off_{j+1}]`
+//!
+//! contracting over exactly `r`. For the embedding the shrink `x · Aᵀ` is a gather of A's
+//! columns at the token id (A is `(r, vocab)`, PEFT's `lora_embedding_A`). Rows in no group
+//! (the base model's) are never read or written.
+//!
+//! # Slot layout (shared by the pool, every device's kernels and the reference)
+//! A is `(S, n·R, in)`: slot `w`'s slice `j` of a rank-`r` site at rows `[j·r, j·r + r_j)`.
+//! Bᵀ is `(S, R, b_ld)`: rank step `k` of output column `o` at `k·b_ld + o` (B stored
+//! transposed so an expand walks contiguous output columns). Everything else in a slot is zero
+//! (the pool zeroes a slot before writing it), so a kernel that contracted over more than `r`
+//! would still be right. Ranks and per-slice scalings live in a [`LoraTable`], `[entry][slot]`,
+//! one entry per (layer, site) plus the embedding and the LM head.
+//!
+//! # Grouping
+//! A backend (a policy in the LoRA crate) hands the op [`LoraGroups`]: groups of rows that share
+//! a slot, either contiguous segments (prefill: one request's rows) or chunks of a stable
+//! permutation that sorts rows by slot (decode: adapters interleaved). A device with its own
+//! memory reads the same groups from the [`LoraGroups::packed`] copy staged with the batch, cut
+//! into tiles of at most [`crate::Device::lora_tile_rows`] rows, at a capacity fixed by the
+//! row count so a recorded step (CUDA graph) stays valid whatever adapters the rows use.
+
+use crate::aligned::AlignedVec;
+
+/// Most fused slices of one site (q, k, v).
+pub const MAX_SLICES: usize = 3;
+
+/// Geometry of one site's slot buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoraSiteShape {
+    pub slots: usize,
+    /// Pool rank `R`.
+    pub max_rank: usize,
+    /// Input width (the vocabulary for the embedding).
+    pub in_dim: usize,
+    pub n_slices: usize,
+    /// Slice boundaries in the output, `offsets[..=n_slices]`.
+    pub offsets: [usize; MAX_SLICES + 1],
+    /// Distance between Bᵀ rows, at least the output width.
+    pub b_ld: usize,
+}
+
+impl LoraSiteShape {
+    pub fn out_dim(&self) -> usize {
+        self.offsets[self.n_slices]
+    }
+    /// Elements of one slot of A: `n·R·in`.
+    pub fn a_slot_len(&self) -> usize {
+        self.n_slices * self.max_rank * self.in_dim
+    }
+    /// Elements of one slot of Bᵀ: `R·b_ld`.
+    pub fn b_slot_len(&self) -> usize {
+        self.max_rank * self.b_ld
+    }
+    /// Width of one row of the shrink output: `n·R`.
+    pub fn shrink_width(&self) -> usize {
+        self.n_slices * self.max_rank
+    }
+}
+
+/// Elements of LoRA storage: f32 in host memory, or in a device's own memory in the device's
+/// element type (bf16 on CUDA).
+pub enum LoraStorage {
+    Host(AlignedVec<f32>),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::DevBuf),
+}
+
+impl LoraStorage {
+    /// Host view; panics on device storage (only host kernels read it this way).
+    pub fn host(&self) -> &[f32] {
+        match self {
+            LoraStorage::Host(v) => v,
+            #[cfg(feature = "cuda")]
+            LoraStorage::Cuda(_) => panic!("host view of LoRA storage in CUDA memory"),
+        }
+    }
+    pub fn host_mut(&mut self) -> &mut [f32] {
+        match self {
+            LoraStorage::Host(v) => v,
+            #[cfg(feature = "cuda")]
+            LoraStorage::Cuda(_) => panic!("host view of LoRA storage in CUDA memory"),
+        }
+    }
+    pub fn size_bytes(&self) -> usize {
+        match self {
+            LoraStorage::Host(v) => v.len() * 4,
+            #[cfg(feature = "cuda")]
+            LoraStorage::Cuda(b) => b.bytes(),
+        }
+    }
+}
+
+/// The slot buffers of one site on a device: A `(S, n·R, in)` and Bᵀ `(S, R, b_ld)`.
+pub struct LoraSiteBuffers {
+    pub shape: LoraSiteShape,
+    pub a: LoraStorage,
+    pub b: LoraStorage,
+}
+
+impl LoraSiteBuffers {
+    /// Zeroed host buffers (the CPU device's, and the default of [`crate::Device::lora_alloc_site`]).
+    pub fn host(shape: LoraSiteShape) -> Self {
+        LoraSiteBuffers {
+            a: LoraStorage::Host(AlignedVec::zeroed(shape.slots * shape.a_slot_len())),
+            b: LoraStorage::Host(AlignedVec::zeroed(shape.slots * shape.b_slot_len())),
+            shape,
+        }
+    }
+    pub fn size_bytes(&self) -> usize {
+        self.a.size_bytes() + self.b.size_bytes()
+    }
+    /// Host A of slot `w`: `(n·R, in)`.
+    pub fn a_slot(&self, w: usize) -> &[f32] {
+        let len = self.shape.a_slot_len();
+        &self.a.host()[w * len..(w + 1) * len]
+    }
+    /// Host Bᵀ of slot `w`: `(R, b_ld)`.
+    pub fn b_slot(&self, w: usize) -> &[f32] {
+        let len = self.shape.b_slot_len();
+        &self.b.host()[w * len..(w + 1) * len]
+    }
+}
+
+/// Rank and per-slice scaling of every (entry, slot): the host copy the pool edits, and the
+/// device's mirror of it (ranks as u32, then scalings as f32, 4 bytes each), refreshed by
+/// [`crate::Device::lora_sync_table`] after every slot load or free.
+pub struct LoraTable {
+    pub entries: usize,
+    pub slots: usize,
+    /// `[entry][slot]`; 0 = the slot has nothing at this entry.
+    pub ranks: Vec<u32>,
+    /// `[entry][slot][MAX_SLICES]`.
+    pub scalings: Vec<f32>,
+    /// Device copy, for devices with their own memory.
+    pub device: Option<LoraStorage>,
+}
+
+impl LoraTable {
+    pub fn host(entries: usize, slots: usize) -> Self {
+        LoraTable { entries, slots, ranks: vec![0; entries * slots], scalings: vec![0.0; entries * slots * MAX_SLICES], device: None }
+    }
+    /// Ranks of every slot at `entry`.
+    pub fn ranks_at(&self, entry: usize) -> &[u32] {
+        &self.ranks[entry * self.slots..(entry + 1) * self.slots]
+    }
+    /// `scalings[slot * MAX_SLICES + j]` at `entry`.
+    pub fn scalings_at(&self, entry: usize) -> &[f32] {
+        &self.scalings[entry * self.slots * MAX_SLICES..(entry + 1) * self.slots * MAX_SLICES]
+    }
+}
+
+/// The rows of each group, host side.
+#[derive(Clone, Copy, Debug)]
+pub enum GroupRows<'a> {
+    /// Group `g` is rows `start[g]..end[g]` (segments).
+    Contiguous,
+    /// Group `g` is rows `perm[start[g]..end[g]]` (chunks of the permutation).
+    Permuted(&'a [u32]),
+}
+
+/// Groups of rows sharing a slot, as a backend chose them.
+#[derive(Clone, Copy, Debug)]
+pub struct LoraGroups<'a> {
+    /// Rows of `x` and `y` (the grouping covers a subset).
+    pub rows: usize,
+    /// Rows in some group.
+    pub adapter_rows: usize,
+    pub group_rows: GroupRows<'a>,
+    pub start: &'a [u32],
+    pub end: &'a [u32],
+    pub slot: &'a [u32],
+    /// The same groups for a device, in the packed layout of [`pack_tiles`], or empty when the
+    /// device reads the host slices above.
+    pub packed: &'a [u32],
+}
+
+impl LoraGroups<'_> {
+    pub fn num_groups(&self) -> usize {
+        self.slot.len()
+    }
+    /// Longest group.
+    pub fn max_len(&self) -> usize {
+        self.start.iter().zip(self.end).map(|(s, e)| (e - s) as usize).max().unwrap_or(0)
+    }
+}
+
+/// One site's LoRA delta over one batch: what [`crate::Device::lora_apply`] runs.
+#[derive(Clone, Copy)]
+pub struct LoraCall<'a> {
+    pub buffers: &'a LoraSiteBuffers,
+    pub table: &'a LoraTable,
+    /// This site's row of the table.
+    pub entry: usize,
+    pub groups: LoraGroups<'a>,
+}
+
+impl LoraCall<'_> {
+    pub fn shape(&self) -> &LoraSiteShape {
+        &self.buffers.shape
+    }
+    /// Site rank of slot `w`.
+    pub fn rank(&self, w: usize) -> usize {
+        self.table.ranks[self.entry * self.table.slots + w] as usize
+    }
+    pub fn scaling(&self, w: usize, j: usize) -> f32 {
+        self.table.scalings[(self.entry * self.table.slots + w) * MAX_SLICES + j]
+    }
+}
+
+/// The input of a LoRA site.
+#[derive(Clone, Copy)]
+pub enum LoraX<'a> {
+    /// Row-major `[rows, in]` activations.
+    Dense(&'a crate::Tensor),
+    /// Token ids (the embedding's shrink is a gather of A's columns).
+    TokenIds(&'a [u32]),
+}
+
+/// u32 words of [`pack_tiles`]'s layout for `capacity` rows.
+pub fn packed_len(capacity: usize) -> usize {
+    1 + 4 * capacity
+}
+
+/// Writes `groups` (host slices) into `out` in the device layout, cut into tiles of at most
+/// `tile_rows` rows, for a grouping of `capacity` rows (`capacity ≥ rows`; every tile has at
+/// least one row, so there are at most `capacity` tiles):
+///
+/// ```text
+/// [0]                      number of tiles T
+/// [1 .. 1+C]               perm: perm[p] is the row at position p (positions < adapter_rows)
+/// [1+C .. 1+2C]            tile_start[i]: first position of tile i
+/// [1+2C .. 1+3C]           tile_len[i] (≤ tile_rows; 0 for i ≥ T)
+/// [1+3C .. 1+4C]           tile_slot[i]
+/// ```
+/// Positions index the permutation for chunks; for segments the permutation lists the grouped
+/// rows in order. Unused entries are zero, so a kernel launched over all `C` tiles skips them.
+pub fn pack_tiles(groups: &LoraGroups<'_>, tile_rows: usize, capacity: usize, out: &mut Vec<u32>) {
+    let c = capacity.max(groups.rows);
+    out.clear();
+    out.resize(packed_len(c), 0);
+    let tile_rows = tile_rows.max(1) as u32;
+    let (perm, rest) = out[1..].split_at_mut(c);
+    let (tstart, rest) = rest.split_at_mut(c);
+    let (tlen, tslot) = rest.split_at_mut(c);
+    let mut pos = 0u32;
+    let mut tiles = 0usize;
+    for g in 0..groups.num_groups() {
+        let (s, e) = (groups.start[g], groups.end[g]);
+        let p0 = match groups.group_rows {
+            GroupRows::Contiguous => {
+                for (i, row) in (s..e).enumerate() {
+                    perm[pos as usize + i] = row;
+                }
+                let p0 = pos;
+                pos += e - s;
+                p0
+            }
+            GroupRows::Permuted(p) => {
+                for i in s..e {
+                    perm[i as usize] = p[i as usize];
+                }
+                s
+            }
+        };
+        let mut off = 0;
+        while off < e - s {
+            let n = tile_rows.min(e - s - off);
+            tstart[tiles] = p0 + off;
+            tlen[tiles] = n;
+            tslot[tiles] = groups.slot[g];
+            tiles += 1;
+            off += n;
+        }
+    }
+    out[0] = tiles as u32;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_tiles_cut_groups_and_pad_to_capacity() {
+        // Chunks over a permutation: rows [0,1,3,4,5] of slot 0 then [2] of slot 1.
+        let perm = [0u32, 1, 3, 4, 5, 2];
+        let g = LoraGroups { rows: 6, adapter_rows: 6, group_rows: GroupRows::Permuted(&perm), start: &[0, 5], end: &[5, 6], slot: &[0, 1], packed: &[] };
+        let mut out = Vec::new();
+        pack_tiles(&g, 2, 8, &mut out);
+        assert_eq!(out.len(), packed_len(8));
+        assert_eq!(out[0], 4);
+        assert_eq!(&out[1..7], &perm);
+        assert_eq!(&out[9..13], &[0, 2, 4, 5]);
+        assert_eq!(&out[17..21], &[2, 2, 1, 1]);
+        assert_eq!(&out[25..29], &[0, 0, 0, 1]);
+        assert!(out[13..17].iter().chain(&out[21..25]).chain(&out[29..33]).all(|&v| v == 0));
+        // Segments: rows 2..5 (slot 1) and 7..8 (slot 0); the packed permutation lists them.
+        let g = LoraGroups { rows: 9, adapter_rows: 4, group_rows: GroupRows::Contiguous, start: &[2, 7], end: &[5, 8], slot: &[1, 0], packed: &[] };
+        pack_tiles(&g, 16, 9, &mut out);
+        assert_eq!(out[0], 2);
+        assert_eq!(&out[1..5], &[2, 3, 4, 7]);
+        assert_eq!(&out[10..12], &[0, 3]);
+        assert_eq!(&out[19..21], &[3, 1]);
+        assert_eq!(&out[28..30], &[1, 0]);
+    }
+}
