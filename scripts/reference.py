@@ -435,12 +435,12 @@ def calibrate_lora(model, seed, rho):
     return n
 
 
-def make_adapter(base, d, cfg_kw, seed, rho, base_name, task_type="CAUSAL_LM"):
+def make_adapter(base, d, cfg_kw, seed, rho, base_name, task_type="CAUSAL_LM", calibrate=None):
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
     cfg = LoraConfig(task_type=task_type, lora_dropout=0.0, bias="none", init_lora_weights=False, **cfg_kw)
     model = get_peft_model(copy.deepcopy(base), cfg)
-    n = calibrate_lora(model, seed, rho)
+    n = (calibrate or calibrate_lora)(model, seed, rho)
     model.peft_config["default"].base_model_name_or_path = base_name
     # Embedding targets: save only the LoRA tensors, never the full base embedding / lm_head.
     model.save_pretrained(d, safe_serialization=True, save_embedding_layers=False)
