@@ -72,6 +72,12 @@ pub struct ServeArgs {
     /// Slot eviction policy: lru or fifo.
     #[arg(long)]
     pub lora_eviction_policy: Option<String>,
+    /// SGLang: modules the LoRA pool has buffers for (comma-separated: q_proj, …, qkv_proj,
+    /// gate_up_proj, embed_tokens, lm_head, all-linear; on MoE models `experts` and
+    /// `shared_expert`). Default: the seven dense projections; LoRA on experts must be asked
+    /// for, since its pool grows with the expert count.
+    #[arg(long)]
+    pub lora_target_modules: Option<String>,
     /// Root for adapters loaded at run time (load endpoints and on-demand loading by name);
     /// load paths must resolve inside it.
     #[arg(long)]
@@ -165,6 +171,9 @@ pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
     }
     if let Some(v) = &a.lora_backend {
         c.lora_backend = v.clone();
+    }
+    if let Some(v) = &a.lora_target_modules {
+        c.lora_target_modules = quiver_lora::LoraModule::parse_list(v).map_err(|e| anyhow::anyhow!("--lora-target-modules: {e}"))?;
     }
     if let Some(v) = &a.lora_eviction_policy {
         c.eviction_policy = v.parse().map_err(|e| anyhow::anyhow!("--lora-eviction-policy: {e}"))?;

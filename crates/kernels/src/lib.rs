@@ -376,6 +376,12 @@ pub trait Device: Send + Sync {
     fn lora_tile_rows(&self) -> usize {
         0
     }
+    /// Whether LoRA on MoE experts can run here: its grouping of routed rows by (adapter,
+    /// expert) is built on the host from [`MoeRouting`]'s host copy, so a device whose routing
+    /// stays in its own memory says why not, and the LoRA pool refuses expert sites with that.
+    fn lora_experts_supported(&self) -> Result<(), String> {
+        Ok(())
+    }
     /// `y[t] += Δ(x[t])` for every row `t` of `call.groups` (the `lora` module's formula); `y` is
     /// row-major `[call.groups.rows, out]`.
     fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor);

@@ -7,7 +7,8 @@ use quiver_lora::{LoraAdapter, LoraError, LoraModule};
 /// Refuses an adapter carrying LoRA on a module this model does not have, naming it: dense MLP
 /// projections (`model.layers.{l}.mlp.gate_proj`, …) of a layer whose MLP is experts, or the
 /// LM head of a bare decoder (an embedding model). PEFT could not have trained those for this
-/// model. (LoRA on experts is refused by name when the adapter is read.)
+/// model. (Reading the adapter against the model's LoRA dims refuses the same MLP mismatches,
+/// and experts on a dense layer, first; this check also covers adapters built in memory.)
 pub fn check_adapter(config: &ModelConfig, adapter: &LoraAdapter) -> Result<(), LoraError> {
     let refuse = |module: String, reason: String| Err(LoraError::Incompatible { adapter: adapter.name.clone(), module, reason });
     for l in (0..config.num_layers).filter(|&l| config.is_moe_layer(l)) {

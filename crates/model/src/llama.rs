@@ -74,7 +74,14 @@ enum Head {
 impl LlamaModel {
     pub fn lora_dims(&self) -> LoraModelDims {
         let c = &self.config;
-        LoraModelDims { num_layers: c.num_layers, hidden: c.hidden_size, q_out: c.q_out(), kv_out: c.kv_out(), intermediate: c.intermediate_size, vocab: c.vocab_size }
+        let moe = c.moe.as_ref().map(|m| quiver_lora::MoeLoraDims {
+            num_experts: m.num_experts,
+            expert_intermediate: m.expert_intermediate,
+            shared_intermediate: m.shared_expert_intermediate.unwrap_or(0),
+            mixtral_names: c.arch == crate::config::Arch::Mixtral,
+            moe_layers: (0..c.num_layers.min(128)).filter(|&l| c.is_moe_layer(l)).fold(0u128, |b, l| b | 1 << l),
+        });
+        LoraModelDims { num_layers: c.num_layers, hidden: c.hidden_size, q_out: c.q_out(), kv_out: c.kv_out(), intermediate: c.intermediate_size, vocab: c.vocab_size, moe }
     }
 
     pub fn build_rope(config: &ModelConfig, device: &dyn Device) -> RopeTable {
@@ -241,7 +248,8 @@ impl LlamaModel {
                     Mlp::Moe(w) => {
                         let mc = c.moe.as_ref().expect("an MoE layer in a model with an MoE config");
                         let mws = ws.moe.as_mut().expect("MoE buffers in the workspace of an MoE model");
-                        moe::forward(d, w, mc, &ws.xn, m, h, mws, &mut ws.delta);
+                        let lora = if lora_on { Some((lora, li)) } else { None };
+                        moe::forward(d, w, mc, &ws.xn, m, h, mws, &mut ws.delta, lora);
                         continue;
                     }
                 };

@@ -8,6 +8,7 @@
 
 use crate::config::MoeConfig;
 use quiver_kernels::{Device, ExpertWeights, MoeRouting, RouterSpec, Tensor, Weight};
+use quiver_lora::{ExpertSite, LoraHook};
 
 /// A layer's MLP.
 pub enum Mlp {
@@ -73,23 +74,42 @@ impl MoeWorkspace {
     }
 }
 
-/// `out = MoE(xn)` for `m` rows of width `hidden`.
+/// `out = MoE(xn)` for `m` rows of width `hidden`. With `lora` (the hook and this layer), each
+/// routed row's adapter delta is added to its expert's gate/up and down outputs right after
+/// that expert's GEMM, so the router weight scales it in the combine as it scales the base
+/// output (PEFT wraps each expert's linears); the shared expert gets its delta like a dense MLP.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn forward(d: &dyn Device, w: &MoeWeights, c: &MoeConfig, xn: &Tensor, m: usize, hidden: usize, ws: &mut MoeWorkspace, out: &mut Tensor) {
+pub(crate) fn forward(d: &dyn Device, w: &MoeWeights, c: &MoeConfig, xn: &Tensor, m: usize, hidden: usize, ws: &mut MoeWorkspace, out: &mut Tensor, lora: Option<(&dyn LoraHook, usize)>) {
     let (k, ie) = (c.top_k, c.expert_intermediate);
     d.matmul(xn, m, &w.router, None, &mut ws.logits);
     d.moe_route(&ws.logits, m, &mut ws.route);
     d.moe_gather(xn, hidden, &ws.route, &mut ws.xp);
     d.moe_matmul(&ws.xp, &ws.route, &w.gate_up, &mut ws.gu);
+    if let Some((h, l)) = lora {
+        h.experts(d, l, ExpertSite::GateUp, &ws.route, &ws.xp, &mut ws.gu);
+    }
     d.silu_mul(&ws.gu, m * k, ie, &mut ws.act);
     d.moe_matmul(&ws.act, &ws.route, &w.down, &mut ws.yp);
+    if let Some((h, l)) = lora {
+        h.experts(d, l, ExpertSite::Down, &ws.route, &ws.act, &mut ws.yp);
+    }
     d.moe_combine(&ws.yp, &ws.route, hidden, out);
     if let Some(s) = &w.shared {
         let is = s.down.cols;
-        d.matmul_silu_mul(xn, m, &s.gate_up, &mut ws.sgu, &mut ws.sact);
-        d.matmul(&ws.sact, m, &s.down, None, &mut ws.sout);
-        d.matmul(xn, m, &s.gate, None, &mut ws.sgate);
         debug_assert_eq!(s.gate_up.rows, 2 * is);
+        match lora {
+            Some((h, l)) => {
+                d.matmul(xn, m, &s.gate_up, None, &mut ws.sgu);
+                h.shared_expert(d, l, ExpertSite::GateUp, xn, m, &mut ws.sgu);
+                d.silu_mul(&ws.sgu, m, is, &mut ws.sact);
+            }
+            None => d.matmul_silu_mul(xn, m, &s.gate_up, &mut ws.sgu, &mut ws.sact),
+        }
+        d.matmul(&ws.sact, m, &s.down, None, &mut ws.sout);
+        if let Some((h, l)) = lora {
+            h.shared_expert(d, l, ExpertSite::Down, &ws.sact, m, &mut ws.sout);
+        }
+        d.matmul(xn, m, &s.gate, None, &mut ws.sgate);
         d.add_sigmoid_gated(out, &ws.sout, &ws.sgate, m, hidden);
     }
 }

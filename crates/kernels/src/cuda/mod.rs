@@ -642,6 +642,9 @@ impl Device for CudaDevice {
     fn lora_tile_rows(&self) -> usize {
         lora::TILE_ROWS
     }
+    fn lora_experts_supported(&self) -> Result<(), String> {
+        Err("not on CUDA yet (the routing stays on the GPU and no grouped expert-LoRA kernel exists; the CPU device runs it)".into())
+    }
 
     fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
         self.lora_apply_impl(call, x, y)
