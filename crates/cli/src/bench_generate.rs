@@ -2,12 +2,11 @@
 //! prefill (ppN), single-stream decode, and batched decode at several batch sizes — so it can be
 //! compared with llama.cpp's `llama-bench` on the same weights.
 
-use crate::model_path;
 use anyhow::Result;
 use clap::Args;
-use quiver_kernels::{open_device, DType, DeviceKind};
+use quiver_kernels::{DType, DeviceKind};
 use quiver_lora::NoLora;
-use quiver_model::{load_model, ForwardBatch, LlamaModel, LogitsFor};
+use quiver_model::{ForwardBatch, LlamaModel, LogitsFor};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -88,15 +87,7 @@ fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize) -> f64 {
 }
 
 pub fn run(a: BenchGenerateArgs) -> Result<()> {
-    let (lm, label) = match a.shape.model(a.device, a.dtype)? {
-        Some(x) => x,
-        None => {
-            let path = model_path::resolve(a.model.clone())?;
-            // The file name only: reports are committed, machine paths are not.
-            let name = path.file_name().map_or_else(|| path.display().to_string(), |f| f.to_string_lossy().to_string());
-            (load_model(&path, open_device(a.device)?, a.dtype)?, name)
-        }
-    };
+    let (lm, label) = a.shape.model_or_file(a.model.clone(), a.device, a.dtype)?;
     let m = &lm.model;
     let threads = rayon::current_num_threads();
     println!("model {label} | dtype {:?} | device {} | {} threads | cpu gemm {}", a.dtype, a.device, threads, quiver_kernels::cpu::gemm_kind());

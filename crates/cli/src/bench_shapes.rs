@@ -37,6 +37,17 @@ impl ShapeArgs {
         let d = describe(&lm, s);
         Ok(Some((lm, d)))
     }
+
+    /// The random model of `--shape`, else the model file (`--model` or the default), with its
+    /// report label: the file name only, since reports are committed and machine paths are not.
+    pub fn model_or_file(&self, model: Option<PathBuf>, device: DeviceKind, dtype: DType) -> Result<(LoadedModel, String)> {
+        if let Some(x) = self.model(device, dtype)? {
+            return Ok(x);
+        }
+        let path = crate::model_path::resolve(model)?;
+        let name = path.file_name().map_or_else(|| path.display().to_string(), |f| f.to_string_lossy().to_string());
+        Ok((quiver_model::load_model(&path, open_device(device)?, dtype)?, name))
+    }
 }
 
 /// The config of a named shape.
