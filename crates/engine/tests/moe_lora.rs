@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use quiver_engine::testing::{temp_dir, write_random_adapter};
-use quiver_engine::{Engine, EngineConfig};
+use quiver_engine::{Engine, EngineConfig, GenerateRequest};
 use quiver_kernels::DType;
 use quiver_lora::LoraModule;
 
@@ -105,4 +105,27 @@ fn adapters_that_do_not_fit_the_model_are_refused_naming_the_module() {
     let mut mgr = LoraManager::new(dims, cfg, quiver_kernels::open_device(DeviceKind::Cpu).unwrap()).unwrap();
     let err = mgr.load_adapter("x", require("ref/adapters/qwen3moe-experts-r8")).unwrap_err().to_string();
     assert!(err.contains("experts.gate_proj") && err.contains("target modules"), "{err}");
+}
+
+/// Through the engine (the loader thread's bounded read, the pool, the scheduler): the
+/// attention + experts + shared-expert adapter and base requests at once, each greedy
+/// continuation PEFT's.
+#[test]
+fn engine_serves_expert_adapters_beside_base_requests_like_peft() {
+    let lm = load(&require("ref/models/tiny-qwen2moe"), DType::F32);
+    let targets = LoraModule::ALL.iter().chain(&LoraModule::MOE).copied().collect();
+    let cfg = EngineConfig { kv_cache_memory: Some(32 << 20), max_lora_rank: 16, lora_target_modules: targets, ..Default::default() };
+    let h = Engine::start(lm, cfg).unwrap();
+    h.load_adapter_blocking("all", &require("ref/adapters/qwen2moe-all-r8-rslora"), false, false, None).unwrap();
+    let (ad, base) = (read_ref("ref/ref/qwen2moe-all-r8-rslora.json"), read_ref("ref/ref/tiny-qwen2moe.json"));
+    let short = |c: &&RefCase| c.prompt_ids.len() < 200;
+    let jobs: Vec<(Option<&str>, &RefCase)> = ad.cases.iter().filter(short).map(|c| (Some("all"), c)).chain(base.cases.iter().filter(short).take(2).map(|c| (None, c))).collect();
+    let streams: Vec<_> = jobs
+        .iter()
+        .map(|(a, c)| h.submit(GenerateRequest { prompt: c.prompt_ids.clone(), adapter: a.map(String::from), max_tokens: c.continuation_ids.len(), ignore_eos: true, ..Default::default() }).unwrap())
+        .collect();
+    for ((a, c), s) in jobs.iter().zip(streams) {
+        assert_eq!(s.collect_blocking().tokens[0], c.continuation_ids, "adapter {a:?} case {}: greedy continuation differs from PEFT", c.name);
+    }
+    h.shutdown_and_join();
 }
