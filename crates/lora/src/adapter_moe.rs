@@ -140,7 +140,8 @@ mod tests {
         let b: Vec<f32> = (0..dout * r * e).map(|i| 1000.0 + i as f32).collect();
         let s = split_fused(ExpertSite::GateUp, r, 0.5, &a, &b, e);
         assert_eq!(s.len(), 2 * e);
-        let (m, x, w) = &s[2 * 1 + 1];
+        // Expert 1 gives entries 2 (gate) and 3 (up).
+        let (m, x, w) = &s[3];
         assert_eq!((*m, *x), (LoraModule::ExpertUpProj, 1));
         assert_eq!(w.a, a[r * din..2 * r * din]);
         // up rows are B's rows 3..6; B_1[o, k] = B[o, k·3 + 1].
