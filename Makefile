@@ -45,9 +45,10 @@ clean-refs:
 
 # HTTP server end to end: real `openai` client, Prometheus parser, shutdown; then the hostile-input
 # regressions and the 2,000-request soak (about 2 minutes); tool calling on a tiny random Qwen2
-# (its tokenizer, like lm-eval's reference, comes from test-data). Each starts and kills its own
-# servers on ephemeral ports.
+# (its tokenizer, like lm-eval's reference, comes from test-data); embeddings against the
+# transformers references. Each starts and kills its own servers on ephemeral ports.
 test-server: model venv build test-data
 	$(CACHE)/venv/bin/python tests/server/test_openai_api.py --quiver $(QUIVER)
 	$(CACHE)/venv/bin/python tests/server/test_tools.py --quiver $(QUIVER)
 	$(CACHE)/venv/bin/python tests/server/test_hardening.py --quiver $(QUIVER)
+	$(CACHE)/venv/bin/python tests/server/test_embeddings.py --quiver $(QUIVER)

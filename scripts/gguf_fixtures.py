@@ -10,6 +10,12 @@
         OUT_DIR/model.json: metadata facts and, for the first Q4_1 tensor and token_embd.weight,
         a sample of dequantized values (indices and f32 bit patterns) to compare bit-exactly.
 
+    gguf_fixtures.py from-hf HF_DIR ARCH TOKENIZER.gguf OUT.gguf
+        An HF safetensors model (Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE) as a GGUF of F32 tensors
+        laid out as llama.cpp's converter writes it: names from gguf-py's own HF -> GGUF map
+        (`gguf.TensorNameMap`), experts stacked into one [E, out, in] tensor per projection, q/k
+        rows permuted for the `llama` architecture, the tokenizer copied from TOKENIZER.gguf.
+
 Random bytes exercise every bit of the packed layouts, which values produced by a quantizer
 would not; only the f16 scales are forced to sane finite values, because random f16 bits give
 NaN/inf scales that make comparisons meaningless.
@@ -125,10 +131,90 @@ def model(path, out_dir):
     os.replace(tmp, os.path.join(out_dir, "model.json"))
 
 
+def llama_permute(w, n_head):
+    """llama.cpp's `LlamaModel.permute`: the two rotary halves of each head interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def from_hf(hf_dir, arch, tokenizer_gguf, out):
+    """See the module docs. Reads config.json and model.safetensors of `hf_dir`."""
+    from safetensors.numpy import load_file
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    n_layers = cfg["num_hidden_layers"]
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    name_map = gguf.TensorNameMap(arch_enum, n_layers)
+
+    # Stack per-expert tensors as llama.cpp's converter does (`torch.stack(datas, dim=0)`), under
+    # the merged HF names its name map knows.
+    experts = {}
+    for name in list(tensors):
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            i = parts.index("experts")
+            merged = ".".join(parts[:i + 1] + parts[i + 2:])
+            experts.setdefault(merged, {})[int(parts[i + 1])] = tensors.pop(name)
+    for merged, by_e in experts.items():
+        tensors[merged] = np.stack([by_e[e] for e in sorted(by_e)], axis=0)
+
+    w = gguf.GGUFWriter(out, arch)
+    w.add_name(os.path.basename(hf_dir))
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if n_exp:
+        w.add_expert_count(n_exp)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if "shared_expert_intermediate_size" in cfg:
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    tok = gguf.GGUFReader(tokenizer_gguf)
+    for key, field in tok.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+
+    for name, data in tensors.items():
+        base = name[:-len(".weight")] if name.endswith(".weight") else name[:-len(".bias")]
+        suffix = name[len(base):]
+        gname = name_map.get_name(base)
+        if gname is None:
+            sys.exit(f"{hf_dir}: no GGUF name for tensor {name}")
+        data = np.ascontiguousarray(data.astype(np.float32))
+        if arch == "llama" and base.endswith("self_attn.q_proj"):
+            data = llama_permute(data, n_head)
+        elif arch == "llama" and base.endswith("self_attn.k_proj"):
+            data = llama_permute(data, n_kv)
+        w.add_tensor(gname + suffix, data, raw_dtype=T.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    # Read it back: every tensor present once with the data written.
+    r = gguf.GGUFReader(out)
+    assert len(r.tensors) == len(tensors), (len(r.tensors), len(tensors))
+    assert r.fields["general.architecture"].contents() == arch
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "quants":
         quants(sys.argv[2])
     elif len(sys.argv) == 4 and sys.argv[1] == "model":
         model(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 6 and sys.argv[1] == "from-hf":
+        from_hf(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])
     else:
         sys.exit(__doc__)

@@ -98,6 +98,16 @@ if [ "${GPU_CHECK_PROFILE:-1}" = 1 ]; then
         --prompt-len 2048 --batch-sizes 1 --decode-steps 1 --reps 1
     grep -B1 -A12 "CUDA profile" "$LOGS/profile-prefill.log"
 fi
+# Mixture of experts at full depth: random Qwen3-30B-A3B-shaped bf16 weights built in-process
+# (61 GB; no checkpoint needed), decode at 1/16/64 rows; and embedding throughput of a
+# Qwen3-Embedding-0.6B-shaped model on 512-token inputs. Set GPU_CHECK_MOE=0 to skip.
+if [ "${GPU_CHECK_MOE:-1}" = 1 ]; then
+    step bench-qwen3-30b-a3b .gpu/bin/quiver bench generate --device cuda --dtype bf16 --shape qwen3-30b-a3b --tokenizer .gpu/tok \
+        --prompt-len 512 --batch-sizes 1,16,64 --decode-steps 32 --reps 3 --output-json "$DATA/bench-qwen3-30b-a3b.json"
+    grep -hE "model|pp|decode batch" "$LOGS/bench-qwen3-30b-a3b.log"
+    step bench-embed .gpu/bin/quiver bench embed --device cuda --dtype bf16 --shape qwen3-embedding-0.6b --tokenizer .gpu/tok --len 512 --inputs 64 --reps 3
+    grep -hE "model|embed " "$LOGS/bench-embed.log"
+fi
 # The server on the GPU: start, one completion over HTTP, stop.
 serve_smoke() {
     .gpu/bin/quiver serve --device cuda --dtype bf16 --model "$DATA/models/llama-gpu" --port 8765 --max-lora-rank 16 \
@@ -115,8 +125,8 @@ serve_smoke() {
 }
 [ "${GPU_CHECK_SERVE:-$parity}" = 1 ] && step serve-smoke serve_smoke
 tail -n 3 "$LOGS/serve-smoke.log"; echo
-cp "$DATA"/bench-llama8b.json "$DATA"/bench-llama8b-eager.json "$DATA"/ceilings.json "$DATA"/bench-lora-*.json "$OUT"/ 2>/dev/null
-grep -hE "rel err|relative error|max \|Δlogprob\||identical|diverge|matched" "$LOGS/kernel-tests.log" "$LOGS/lora-tests.log" "$LOGS/parity-tests.log" > "$OUT/accuracy.txt" 2>/dev/null
+cp "$DATA"/bench-llama8b.json "$DATA"/bench-llama8b-eager.json "$DATA"/bench-qwen3-30b-a3b.json "$DATA"/ceilings.json "$DATA"/bench-lora-*.json "$OUT"/ 2>/dev/null
+grep -hE "rel err|relative error|max \|Δlogprob\||identical|diverge|matched|cosine" "$LOGS/kernel-tests.log" "$LOGS/lora-tests.log" "$LOGS/parity-tests.log" > "$OUT/accuracy.txt" 2>/dev/null
 grep -E "test result|panicked" "$LOGS/kernel-tests.log" "$LOGS/lora-tests.log" "$LOGS/parity-tests.log"
 for f in parity-tests; do echo "--- $f"; grep -hE "max \|Δlogprob\| per prompt|requests identical|peft on cuda: .*(over every|greedy identical)" "$LOGS/$f.log"; done
 tail -n 8 "$LOGS/bench-8b.log"

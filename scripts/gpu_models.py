@@ -15,6 +15,12 @@ Models (all share the tokenizer files found in TOKDIR, vocab 49152 unless noted)
   smollm2-rand  SmolLM2-135M's shape (576 hidden, 30 layers, 9 / 3 heads, tied), f32
   llama8b       Llama-3.1-8B's shape (4096, 32 layers, 32 / 8 heads, FFN 14336, vocab 128256),
                 bf16, for benchmarks only
+  qwen3moe-gpu  Qwen3-MoE: hidden 1024, 8 layers, 16 / 4 heads of 64, 32 experts top 4 (384
+                wide, renormalised), f32
+  qwen2moe-gpu  Qwen2-MoE: hidden 1024, 8 layers, 16 experts top 2 (512) + a 1024-wide shared
+                expert, q/k/v biases, f32
+  qwen3-embed-gpu  a bare Qwen3 decoder (hidden 1024, 12 layers) with sentence-transformers
+                files for last-token pooling + L2 normalisation; its reference is embeddings
 
 Weights are drawn so that activations stay O(1) and logits are peaked (std 4), so greedy
 decoding is not decided by rounding noise: linear std 1/sqrt(in), embeddings std 1, LM head
@@ -37,7 +43,7 @@ TOP_K = 20
 
 
 def configs():
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
     common = dict(bos_token_id=1, eos_token_id=2, max_position_embeddings=4096, hidden_act="silu")
     return {
         "llama-gpu": (LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -49,6 +55,20 @@ def configs():
         "smollm2-rand": (LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                      num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5,
                                      tie_word_embeddings=True, **common), 13, torch.float32),
+        "qwen3moe-gpu": (Qwen3MoeConfig(vocab_size=49152, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+                                        num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
+                                        num_experts_per_tok=4, moe_intermediate_size=384, norm_topk_prob=True,
+                                        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                        use_sliding_window=False, **common), 15, torch.float32),
+        "qwen2moe-gpu": (Qwen2MoeConfig(vocab_size=49152, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+                                        num_attention_heads=16, num_key_value_heads=4, num_experts=16, num_experts_per_tok=2,
+                                        moe_intermediate_size=512, shared_expert_intermediate_size=1024,
+                                        norm_topk_prob=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                                        tie_word_embeddings=False, use_sliding_window=False, **common), 16, torch.float32),
+        "qwen3-embed-gpu": (Qwen3Config(vocab_size=49152, hidden_size=1024, intermediate_size=3072, num_hidden_layers=12,
+                                        num_attention_heads=16, num_key_value_heads=8, head_dim=64, rope_theta=1e6,
+                                        rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+                                        **common), 17, torch.float32),
         "llama8b": (LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
                                 tie_word_embeddings=False,
@@ -77,20 +97,39 @@ def randomize(model, seed, hidden, layers, tied):
             v = torch.randn(p.shape, generator=g, device="cuda")
         elif "lm_head" in name:
             v = (4.0 / math.sqrt(hidden)) * torch.randn(p.shape, generator=g, device="cuda")
+        elif name.endswith("mlp.gate.weight"):
+            # MoE routers: logits of std 4 keep the top-k well separated, so bf16 rounding of
+            # the router's input rarely swaps an expert (a swap is a jump, not a rounding error).
+            v = (4.0 / math.sqrt(hidden)) * torch.randn(p.shape, generator=g, device="cuda")
         elif "o_proj" in name or "down_proj" in name:
             # Residual branches scaled by 1/sqrt(2·layers) keep the stream O(1) and the network
             # well conditioned, like a trained model (a chaotic random net amplifies rounding).
-            v = torch.randn(p.shape, generator=g, device="cuda") / math.sqrt(p.shape[1] * 2 * layers)
+            # (The fan-in is the last dim: transformers 5 keeps experts as [E, out, in].)
+            v = torch.randn(p.shape, generator=g, device="cuda") / math.sqrt(p.shape[-1] * 2 * layers)
         else:
-            v = torch.randn(p.shape, generator=g, device="cuda") / math.sqrt(p.shape[1])
+            v = torch.randn(p.shape, generator=g, device="cuda") / math.sqrt(p.shape[-1])
         # Rounded to bf16 values even in the float32 models: Quiver loads them as bf16, so the
         # float32 reference and Quiver then run on exactly the same weights and the parity
         # numbers measure compute (bf16 activations at GEMM inputs, bf16 KV), not weight rounding.
         p.copy_(v.to(torch.bfloat16).to(p.dtype))
 
 
+EMBED_MODELS = ["qwen3-embed-gpu"]
+
+
+def st_files(d, dim):
+    """sentence-transformers files: last-token pooling, then Normalize."""
+    mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    json.dump(mods, open(os.path.join(d, "modules.json"), "w"))
+    os.makedirs(os.path.join(d, "1_Pooling"), exist_ok=True)
+    json.dump({"word_embedding_dimension": dim, "pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False, "include_prompt": True},
+              open(os.path.join(d, "1_Pooling", "config.json"), "w"))
+
+
 def cmd_models(out, tokdir, only=None):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
     for name, (cfg, seed, dtype) in configs().items():
         if only and name not in only:
             continue
@@ -100,13 +139,16 @@ def cmd_models(out, tokdir, only=None):
         t = time.time()
         torch.set_default_dtype(dtype)
         with torch.device("cuda"):
-            model = AutoModelForCausalLM.from_config(cfg)
+            # An embedding model is a bare decoder (no LM head).
+            model = (AutoModel if name in EMBED_MODELS else AutoModelForCausalLM).from_config(cfg)
         torch.set_default_dtype(torch.float32)
         randomize(model, seed, cfg.hidden_size, cfg.num_hidden_layers, cfg.tie_word_embeddings)
         model.save_pretrained(d, safe_serialization=True, max_shard_size="4GB")
         for f in TOK_FILES:
             if os.path.exists(os.path.join(tokdir, f)):
                 shutil.copy(os.path.join(tokdir, f), d)
+        if name in EMBED_MODELS:
+            st_files(d, cfg.hidden_size)
         n = sum(p.numel() for p in model.parameters())
         del model
         torch.cuda.empty_cache()
@@ -139,7 +181,7 @@ def cmd_refs(out):
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     os.makedirs(os.path.join(out, "ref"), exist_ok=True)
-    for name in ["llama-gpu", "qwen2-gpu", "smollm2-rand"]:
+    for name in ["llama-gpu", "qwen2-gpu", "smollm2-rand", "qwen3moe-gpu", "qwen2moe-gpu"]:
         path = os.path.join(out, "ref", f"{name}.json")
         if os.path.exists(path):
             continue
@@ -152,6 +194,31 @@ def cmd_refs(out):
         del model
         torch.cuda.empty_cache()
         log(f"ref {name}: {len(cases)} prompts, {time.time() - t:.1f}s")
+
+
+@torch.no_grad()
+def cmd_embed_refs(out):
+    """Embeddings of random token inputs (PROMPT_LENS long), transformers float32 on the GPU:
+    the last token's final-normed hidden state, L2-normalised."""
+    from transformers import AutoModel
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    for name in EMBED_MODELS:
+        path = os.path.join(out, "ref", f"{name}.json")
+        if os.path.exists(path):
+            continue
+        model = AutoModel.from_pretrained(os.path.join(out, "models", name), dtype=torch.float32, attn_implementation="eager").cuda().eval()
+        g = torch.Generator().manual_seed(98)
+        cases = []
+        for i, n in enumerate(PROMPT_LENS):
+            ids = torch.randint(100, model.config.vocab_size - 100, (n,), generator=g).tolist()
+            h = model(torch.tensor([ids], device="cuda")).last_hidden_state[0, -1].double()
+            cases.append({"name": f"e{i}-{n}", "ids": ids, "embedding": (h / h.norm()).float().tolist()})
+        with open(path, "w") as f:
+            json.dump({"model": name, "cases": cases}, f)
+        del model
+        torch.cuda.empty_cache()
+        log(f"ref {name}: {len(cases)} embeddings")
 
 
 def timed(fn, reps):
@@ -321,6 +388,7 @@ if __name__ == "__main__":
         cmd_models(sys.argv[2], sys.argv[3], sys.argv[4].split(",") if len(sys.argv) > 4 else None)
     elif cmd == "refs":
         cmd_refs(sys.argv[2])
+        cmd_embed_refs(sys.argv[2])
     elif cmd == "ceilings":
         cmd_ceilings(sys.argv[2])
     elif cmd == "summary":

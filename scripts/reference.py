@@ -4,6 +4,8 @@
 Writes everything under an output dir (default .cache/ref):
   prompts.json                       default prompt set  [{"name", "text", "chat"}]
   models/tiny-{qwen2,llama3,mistral} tiny random-weight HF safetensors models (+ SmolLM2 tokenizer)
+  models/tiny-{qwen3,mixtral,qwen3moe,qwen3moe-dense1,qwen2moe,olmoe}  the same for Qwen3 and the MoE families
+  models/tiny-*.gguf                 some of those written as GGUF (see TINY_GGUF)
   models/smollm2-hf                  the SmolLM2 GGUF as dequantized by transformers, saved as HF safetensors
   adapters/<name>                    PEFT LoRA adapters (B non-zero, calibrated), save_pretrained layout
   ref/<model>[-<adapter>].json       greedy 32-token continuation + teacher-forced top-20 logprobs
@@ -272,7 +274,43 @@ def tiny_configs(vocab):
         "tiny-mistral": (MistralConfig(vocab_size=vocab, max_position_embeddings=2048, rope_theta=1e4,
                                        rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
                                        **TINY_COMMON), 1003),
+        **tiny_family_configs(vocab),
     }
+
+
+def tiny_family_configs(vocab):
+    """Qwen3 (dense) and the mixture-of-experts families. head_dim 32 on tiny-qwen3 makes q wider
+    than hidden (o_proj [64, 128]); tiny-qwen3moe has 16 experts, top 4, renormalised;
+    tiny-qwen3moe-dense1 a dense middle layer (mlp_only_layers); tiny-qwen2moe a shared expert and
+    q/k/v biases."""
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    common = dict(TINY_COMMON, max_position_embeddings=2048, tie_word_embeddings=False)
+    return {
+        "tiny-qwen3": (Qwen3Config(vocab_size=vocab, rope_theta=1e6, rms_norm_eps=1e-6, head_dim=32,
+                                   use_sliding_window=False, **common), 1004),
+        "tiny-mixtral": (MixtralConfig(vocab_size=vocab, rope_theta=1e6, rms_norm_eps=1e-5, sliding_window=None,
+                                       num_local_experts=8, num_experts_per_tok=2,
+                                       **dict(common, intermediate_size=48)), 1005),
+        "tiny-qwen3moe": (Qwen3MoeConfig(vocab_size=vocab, rope_theta=1e6, rms_norm_eps=1e-6, head_dim=16,
+                                         num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                                         norm_topk_prob=True, use_sliding_window=False, **common), 1006),
+        # llama.cpp's qwen3moe has no dense layers, so this one is HF only.
+        "tiny-qwen3moe-dense1": (Qwen3MoeConfig(vocab_size=vocab, rope_theta=1e6, rms_norm_eps=1e-6, head_dim=16,
+                                                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                norm_topk_prob=False, mlp_only_layers=[1], use_sliding_window=False,
+                                                **dict(common, num_hidden_layers=3)), 1009),
+        "tiny-qwen2moe": (Qwen2MoeConfig(vocab_size=vocab, rope_theta=1e6, rms_norm_eps=1e-6, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, norm_topk_prob=False,
+                                         use_sliding_window=False, **common), 1007),
+        "tiny-olmoe": (OlmoeConfig(vocab_size=vocab, rope_theta=1e4, rms_norm_eps=1e-5, num_experts=8,
+                                   num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=None,
+                                   **dict(common, intermediate_size=32)), 1008),
+    }
+
+# Tiny models also written as GGUF (F32, llama.cpp's names and layout; scripts/gguf_fixtures.py):
+# name -> GGUF architecture. Their reference is the HF model's.
+TINY_GGUF = {"tiny-qwen3": "qwen3", "tiny-mixtral": "llama", "tiny-qwen3moe": "qwen3moe", "tiny-qwen2moe": "qwen2moe"}
 
 
 @torch.no_grad()
@@ -313,6 +351,15 @@ def cmd_models(out):
         model.save_pretrained(d, safe_serialization=True)
         tok.save_pretrained(d)
         log(f"wrote {rel(d)}")
+
+    for name, arch in TINY_GGUF.items():
+        path = os.path.join(mdir, f"{name}.gguf")
+        if os.path.exists(path):
+            log(f"skip {rel(path)} (exists)")
+            continue
+        import gguf_fixtures
+        gguf_fixtures.from_hf(os.path.join(mdir, name), arch, os.path.join(GGUF_DIR, GGUF_NAME), path)
+        log(f"wrote {rel(path)}")
 
     d = os.path.join(mdir, "smollm2-hf")
     if os.path.exists(os.path.join(d, "model.safetensors")):
@@ -388,12 +435,12 @@ def calibrate_lora(model, seed, rho):
     return n
 
 
-def make_adapter(base, d, cfg_kw, seed, rho, base_name):
+def make_adapter(base, d, cfg_kw, seed, rho, base_name, task_type="CAUSAL_LM", calibrate=None):
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
-    cfg = LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, bias="none", init_lora_weights=False, **cfg_kw)
+    cfg = LoraConfig(task_type=task_type, lora_dropout=0.0, bias="none", init_lora_weights=False, **cfg_kw)
     model = get_peft_model(copy.deepcopy(base), cfg)
-    n = calibrate_lora(model, seed, rho)
+    n = (calibrate or calibrate_lora)(model, seed, rho)
     model.peft_config["default"].base_model_name_or_path = base_name
     # Embedding targets: save only the LoRA tensors, never the full base embedding / lm_head.
     model.save_pretrained(d, safe_serialization=True, save_embedding_layers=False)
@@ -467,7 +514,7 @@ def cmd_all(out):
     gguf_label = os.path.join(GGUF_DIR, GGUF_NAME)
     step("ref smollm2", logprobs, GGUF_DIR, GGUF_NAME, prompts, os.path.join(rdir, "smollm2.json"),
          model_label=gguf_label)
-    for m in ["tiny-qwen2", "tiny-llama3", "tiny-mistral"]:
+    for m in ["tiny-qwen2", "tiny-llama3", "tiny-mistral", *tiny_family_configs(49152)]:
         step(f"ref {m}", logprobs, os.path.join(out, "models", m), None, prompts, os.path.join(rdir, f"{m}.json"))
     for name, (mname, *_r) in TINY_ADAPTERS.items():
         step(f"ref {name}", logprobs, os.path.join(out, "models", mname), None, prompts,

@@ -9,6 +9,8 @@ pub enum BenchCommand {
     Lora(crate::bench_lora::BenchLoraArgs),
     /// Engine throughput: concurrent streams, base vs one adapter vs several distinct adapters.
     Engine(crate::bench_engine::BenchEngineArgs),
+    /// Embedding throughput (`--task embed` engine): sequences/s for inputs of a given length.
+    Embed(crate::bench_embed::BenchEmbedArgs),
     /// Load-test an OpenAI-compatible server (Quiver, llama-server, vLLM, SGLang) with streaming
     /// requests; prints TTFT/TPOT/ITL/E2E and throughput, per adapter.
     Serve(quiver_bench::ServeBenchArgs),
@@ -22,6 +24,7 @@ pub fn run(b: BenchCommand) -> Result<()> {
         BenchCommand::Generate(a) => crate::bench_generate::run(a),
         BenchCommand::Lora(a) => crate::bench_lora::run(a),
         BenchCommand::Engine(a) => crate::bench_engine::run(a),
+        BenchCommand::Embed(a) => crate::bench_embed::run(a),
         BenchCommand::Serve(a) => quiver_bench::run_serve(a),
         BenchCommand::Sweep(a) => quiver_bench::run_sweep(a),
     }

@@ -2,13 +2,12 @@
 //! prefill (ppN), single-stream decode, and batched decode at several batch sizes — so it can be
 //! compared with llama.cpp's `llama-bench` on the same weights.
 
-use crate::model_path;
 use anyhow::Result;
 use clap::Args;
 use quiver_kernels::sample::{SampleOut, SampleSpec};
-use quiver_kernels::{open_device, DType, DeviceKind};
+use quiver_kernels::{DType, DeviceKind};
 use quiver_lora::NoLora;
-use quiver_model::{load_model, ForwardBatch, LlamaModel, LogitsFor};
+use quiver_model::{ForwardBatch, LlamaModel, LogitsFor};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -16,6 +15,8 @@ use std::time::Instant;
 pub struct BenchGenerateArgs {
     #[arg(long)]
     pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub shape: crate::bench_shapes::ShapeArgs,
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
     #[arg(long, default_value = "cpu")]
@@ -62,17 +63,20 @@ fn prefill_tok_s(m: &LlamaModel, len: usize) -> f64 {
 }
 
 /// Decode tokens per second with `n` sequences stepping together after a `prompt`-token prompt each.
-fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize, prompt: usize) -> f64 {
+fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize, prompt_len: usize) -> f64 {
     let bs = 16;
-    let ctx = prompt + steps + 1;
+    let ctx = prompt_len + steps + 1;
     let per = ctx.div_ceil(bs);
     let mut kv = m.alloc_kv(per * n, bs);
-    let mut ws = m.new_workspace(prompt * n, n);
-    let mut b = ForwardBatch::with_capacity(prompt * n, n, per);
+    let mut ws = m.new_workspace(prompt_len * n, n);
+    let mut b = ForwardBatch::with_capacity(prompt_len * n, n, per);
     let tables: Vec<Vec<u32>> = (0..n).map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect()).collect();
-    let prompt_len = prompt;
-    let prompt: Vec<u32> = (0..prompt_len).map(|i| (i * 17 % 500 + 50) as u32).collect();
-    for t in &tables {
+    // Every sequence its own tokens: a mixture-of-experts model then routes the rows of a step
+    // to different experts, as real traffic does (identical rows would all hit the same k).
+    let span = (m.config.vocab_size - 100).min(20000);
+    let token = |s: usize, i: usize| ((i * 31 + s * 7919) % span + 50) as u32;
+    for (s, t) in tables.iter().enumerate() {
+        let prompt: Vec<u32> = (0..prompt_len).map(|i| token(s, i)).collect();
         b.push_seq(&prompt, 0, t, LogitsFor::Last);
     }
     m.forward(&b, &mut kv, &mut ws, &NoLora);
@@ -83,8 +87,8 @@ fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize, prompt: usize) -> f64 {
     let start = Instant::now();
     for step in 0..steps {
         b.clear(per);
-        for t in &tables {
-            b.push_seq(&[(step % 300 + 40) as u32], prompt_len + step, t, LogitsFor::Last);
+        for (s, t) in tables.iter().enumerate() {
+            b.push_seq(&[token(s, prompt_len + step)], prompt_len + step, t, LogitsFor::Last);
         }
         m.forward_on_device(&b, &mut kv, &mut ws, &NoLora);
         m.sample(&ws, &specs, &mut outs);
@@ -93,11 +97,10 @@ fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize, prompt: usize) -> f64 {
 }
 
 pub fn run(a: BenchGenerateArgs) -> Result<()> {
-    let path = model_path::resolve(a.model.clone())?;
-    let lm = load_model(&path, open_device(a.device)?, a.dtype)?;
+    let (lm, label) = a.shape.model_or_file(a.model.clone(), a.device, a.dtype)?;
     let m = &lm.model;
     let threads = rayon::current_num_threads();
-    println!("model {} | dtype {:?} | device {} | {} threads | cpu gemm {}", path.display(), a.dtype, a.device, threads, quiver_kernels::cpu::gemm_kind());
+    println!("model {label} | dtype {:?} | device {} | {} threads | cpu gemm {}", a.dtype, a.device, threads, quiver_kernels::cpu::gemm_kind());
     // Warm-up: fault in weights and grow scratch buffers.
     decode_tok_s(m, 1, 4, 32);
     let pp = median((0..a.reps).map(|_| prefill_tok_s(m, a.prompt_len)).collect());
@@ -110,7 +113,7 @@ pub fn run(a: BenchGenerateArgs) -> Result<()> {
     }
     if let Some(p) = a.output_json {
         let j = serde_json::json!({
-            "model": path.file_name().map(|f| f.to_string_lossy().to_string()),
+            "model": label,
             "dtype": format!("{:?}", a.dtype), "threads": threads,
             "prefill": {"prompt_len": a.prompt_len, "tok_s": pp},
             "decode": rows,

@@ -5,17 +5,16 @@
 //!   the device's copy bandwidth;
 //! - `step`: what LoRA costs in a batched decode step of the real model on the device. For each
 //!   backend, rank and adapter count, times the same decode step with N rows spread over D
-//!   distinct adapters on all seven projections, against the base model alone, in one run
-//!   (ratios, medians).
+//!   distinct adapters (all seven projections by default, `--modules experts` on an MoE
+//!   `--shape`), against the base model alone, in one run (ratios, medians).
 
 use crate::bench_generate::median;
-use crate::model_path;
 use anyhow::Result;
 use clap::Args;
-use quiver_kernels::{open_device, DType, DeviceKind};
+use quiver_kernels::{DType, DeviceKind};
 use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraHook, LoraManager, LoraModule, NoLora};
 use rayon::prelude::*;
-use quiver_model::{load_model, ForwardBatch, LlamaModel, LogitsFor};
+use quiver_model::{ForwardBatch, LlamaModel, LogitsFor};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -61,6 +60,12 @@ pub struct BenchLoraArgs {
     pub steps: usize,
     #[arg(long)]
     pub output_json: Option<PathBuf>,
+    /// Step part: the adapters' modules (as --lora-target-modules: `all-linear`, `experts`,
+    /// `shared_expert`, names).
+    #[arg(long, default_value = "all-linear")]
+    pub modules: String,
+    #[command(flatten)]
+    pub shape: crate::bench_shapes::ShapeArgs,
 }
 
 struct Step {
@@ -75,8 +80,10 @@ fn setup(m: &LlamaModel, n: usize) -> Step {
     let mut kv = m.alloc_kv(per * n, bs);
     let mut ws = m.new_workspace(32 * n, n);
     let mut batch = ForwardBatch::with_capacity(32 * n, n, per);
-    let prompt: Vec<u32> = (0..32).map(|i| (i * 17 % 500 + 50) as u32).collect();
+    // Each sequence its own tokens: an MoE model's rows then route apart, as real requests do
+    // (identical rows would all read the same few experts); a dense model computes the same.
     for s in 0..n {
+        let prompt: Vec<u32> = (0..32).map(|i| ((i * 17 + s * 29) % 500 + 50) as u32).collect();
         let t: Vec<u32> = ((s * per) as u32..((s + 1) * per) as u32).collect();
         batch.push_seq(&prompt, 0, &t, LogitsFor::Last);
     }
@@ -84,7 +91,7 @@ fn setup(m: &LlamaModel, n: usize) -> Step {
     batch.clear(per);
     for s in 0..n {
         let t: Vec<u32> = ((s * per) as u32..((s + 1) * per) as u32).collect();
-        batch.push_seq(&[77], 32, &t, LogitsFor::Last);
+        batch.push_seq(&[(77 + 13 * s % 400) as u32], 32, &t, LogitsFor::Last);
     }
     Step { kv, ws, batch }
 }
@@ -130,11 +137,11 @@ pub fn run(a: BenchLoraArgs) -> Result<()> {
 }
 
 fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
-    let path = model_path::resolve(a.model.clone())?;
-    let lm = load_model(&path, open_device(a.device)?, a.dtype)?;
+    let (lm, label) = a.shape.model_or_file(a.model.clone(), a.device, a.dtype)?;
     let m = &lm.model;
     let dims = m.lora_dims();
-    println!("model {} | dtype {:?} | device {} | adapters on all 7 projections", path.display(), a.dtype, a.device);
+    let modules = LoraModule::parse_list(&a.modules).map_err(anyhow::Error::msg)?;
+    println!("model {label} | dtype {:?} | device {} | adapters on {}", a.dtype, a.device, a.modules);
     println!("{:<10} {:>5} {:>4} {:>5} {:>10} {:>10} {:>8}", "backend", "rank", "ads", "rows", "base ms", "lora ms", "cost");
     let mut out = Vec::new();
     let max_ads = a.adapters.iter().copied().max().unwrap_or(1);
@@ -142,10 +149,18 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
         // In memory (an 8B rank-16 adapter is 168 MB of f32): no files to write or parse.
         let adapters: Vec<LoraAdapter> = (0..max_ads)
             .into_par_iter()
-            .map(|i| LoraAdapter::synthetic(&format!("a{i}"), &dims, &LoraModule::PROJECTIONS, rank, 2.0 * rank as f32, 0.01, 1000 + i as u64))
+            .map(|i| LoraAdapter::synthetic(&format!("a{i}"), &dims, &modules, rank, 2.0 * rank as f32, 0.01, 1000 + i as u64))
             .collect::<Result<_, _>>()?;
         for backend in &a.backends {
-            let cfg = LoraConfig { max_loras_per_batch: max_ads, max_lora_rank: rank, max_loaded_loras: max_ads, backend: backend.clone(), max_batch_tokens: a.rows.iter().copied().max().unwrap_or(1), ..Default::default() };
+            let cfg = LoraConfig {
+                max_loras_per_batch: max_ads,
+                max_lora_rank: rank,
+                max_loaded_loras: max_ads,
+                backend: backend.clone(),
+                max_batch_tokens: a.rows.iter().copied().max().unwrap_or(1),
+                target_modules: modules.clone(),
+                ..Default::default()
+            };
             let mut mgr = LoraManager::new(dims, cfg, m.device.clone())?;
             let mut keys: Vec<AdapterKey> = Vec::new();
             for ad in &adapters {

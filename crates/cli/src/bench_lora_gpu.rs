@@ -34,7 +34,7 @@ pub struct GpuKernelArgs<'a> {
 
 /// Llama-3.1-8B's projection shapes.
 fn dims(layers: usize) -> LoraModelDims {
-    LoraModelDims { num_layers: layers, hidden: 4096, q_out: 4096, kv_out: 1024, intermediate: 14336, vocab: 128256 }
+    LoraModelDims { num_layers: layers, hidden: 4096, q_out: 4096, kv_out: 1024, intermediate: 14336, vocab: 128256, moe: None }
 }
 
 /// Device copy bandwidth, bytes read + written per second, over 1 GiB.

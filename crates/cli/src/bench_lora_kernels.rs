@@ -20,7 +20,7 @@ pub struct Shape {
 }
 
 pub fn shape(name: &str) -> Result<Shape> {
-    let d = |hidden, q_out, kv_out, intermediate| LoraModelDims { num_layers: 1, hidden, q_out, kv_out, intermediate, vocab: 1024 };
+    let d = |hidden, q_out, kv_out, intermediate| LoraModelDims { num_layers: 1, hidden, q_out, kv_out, intermediate, vocab: 1024, moe: None };
     Ok(match name {
         "smollm2" => Shape { name: "smollm2", dims: d(576, 576, 192, 1536) },
         "llama8b" => Shape { name: "llama8b", dims: d(4096, 4096, 1024, 14336) },

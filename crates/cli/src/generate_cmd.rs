@@ -77,7 +77,7 @@ impl StepLora for CliLora {
     }
 }
 
-fn setup_lora(a: &GenerateArgs, dims: quiver_lora::LoraModelDims, device: std::sync::Arc<dyn quiver_kernels::Device>) -> Result<Option<CliLora>> {
+fn setup_lora(a: &GenerateArgs, model: &quiver_model::ModelConfig, dims: quiver_lora::LoraModelDims, device: std::sync::Arc<dyn quiver_kernels::Device>) -> Result<Option<CliLora>> {
     quiver_lora::validate_backend(&a.lora_backend, device.kind()).map_err(anyhow::Error::msg)?;
     let Some(name) = &a.adapter else {
         anyhow::ensure!(a.loras.is_empty() || a.adapter.is_some(), "--lora given without --adapter");
@@ -88,6 +88,7 @@ fn setup_lora(a: &GenerateArgs, dims: quiver_lora::LoraModelDims, device: std::s
     let mut key = None;
     for spec in &a.loras {
         let (n, p) = spec.split_once('=').with_context(|| format!("--lora `{spec}`: expected NAME=PATH"))?;
+        quiver_model::check_adapter(model, &quiver_lora::LoraAdapter::load(n, std::path::Path::new(p), &dims)?)?;
         let k = mgr.load_adapter(n, p).with_context(|| format!("loading adapter `{n}` from {p}"))?;
         if n == name {
             key = Some(k);
@@ -120,7 +121,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         prefill_chunk: 512,
     };
     let max_ctx = a.max_context.unwrap_or(prompt_ids.len() + a.max_tokens).min(lm.model.config.max_position_embeddings);
-    let mut lora = setup_lora(&a, lm.model.lora_dims(), lm.model.device.clone())?;
+    let mut lora = setup_lora(&a, &lm.model.config, lm.model.lora_dims(), lm.model.device.clone())?;
     let mut base = BaseOnly;
     let step_lora: &mut dyn StepLora = match lora.as_mut() {
         Some(l) => l,

@@ -31,6 +31,13 @@ pub struct ServeArgs {
     pub dtype: DType,
     #[arg(long, default_value = "cpu")]
     pub device: DeviceKind,
+    /// What to serve: `generate` (text) or `embed` (`/v1/embeddings`, pooled as the model's
+    /// sentence-transformers files say).
+    #[arg(long, default_value = "generate", value_parser = ["generate", "embed"])]
+    pub task: String,
+    /// SGLang's spelling of `--task embed`.
+    #[arg(long)]
+    pub is_embedding: bool,
 
     // ---- LoRA (vLLM spelling)
     /// Enable LoRA (implied by --lora-modules, --lora-paths or --lora-dir).
@@ -65,6 +72,12 @@ pub struct ServeArgs {
     /// Slot eviction policy: lru or fifo.
     #[arg(long)]
     pub lora_eviction_policy: Option<String>,
+    /// SGLang: modules the LoRA pool has buffers for (comma-separated: q_proj, …, qkv_proj,
+    /// gate_up_proj, embed_tokens, lm_head, all-linear; on MoE models `experts` and
+    /// `shared_expert`). Default: the seven dense projections; LoRA on experts must be asked
+    /// for, since its pool grows with the expert count.
+    #[arg(long)]
+    pub lora_target_modules: Option<String>,
     /// Root for adapters loaded at run time (load endpoints and on-demand loading by name);
     /// load paths must resolve inside it.
     #[arg(long)]
@@ -170,6 +183,9 @@ pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
     if let Some(v) = &a.lora_backend {
         c.lora_backend = v.clone();
     }
+    if let Some(v) = &a.lora_target_modules {
+        c.lora_target_modules = quiver_lora::LoraModule::parse_list(v).map_err(|e| anyhow::anyhow!("--lora-target-modules: {e}"))?;
+    }
     if let Some(v) = &a.lora_eviction_policy {
         c.eviction_policy = v.parse().map_err(|e| anyhow::anyhow!("--lora-eviction-policy: {e}"))?;
     }
@@ -252,6 +268,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let device = open_device(a.device)?;
     let lm = quiver_model::load_model(&path, device, a.dtype).with_context(|| format!("loading {}", path.display()))?;
     pb.inc(1);
+    let mut cfg = cfg;
+    if a.task == "embed" || a.is_embedding {
+        cfg.task = quiver_engine::Task::Embed(embedding_spec(&path, lm.model.config.hidden_size, &pb)?);
+    }
     pb.set_message("starting the engine");
     let engine = quiver_server::engine_backend::EngineBackend::start(lm, cfg.clone())?;
     pb.inc(1);
@@ -285,7 +305,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
             dir.as_ref().map(|d| format!(", more from {}", d.display())).unwrap_or_default()
         ),
     };
-    println!("Quiver serving {}{} on http://{addr} (OpenAI API at http://{addr}/v1)", served[0], lora_note);
+    let what = if matches!(cfg.task, quiver_engine::Task::Embed(_)) { "embeddings of " } else { "" };
+    println!("Quiver serving {what}{}{} on http://{addr} (OpenAI API at http://{addr}/v1)", served[0], lora_note);
     let st = AppState::new(Arc::new(engine), scfg);
     let served = rt.block_on(quiver_server::serve_with_shutdown(st, listener, quiver_server::shutdown_signal()));
     // Dropping a runtime waits for every blocking task; one stuck in a read (an adapter load
@@ -294,4 +315,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
     served?;
     eprintln!("quiver: stopped");
     Ok(())
+}
+
+/// The model's pooling for `--task embed`; says once when the model gives none and the default
+/// (last token, L2-normalised) applies.
+pub fn embedding_spec(path: &std::path::Path, hidden: usize, pb: &ProgressBar) -> Result<quiver_model::EmbeddingSpec> {
+    let spec = quiver_model::EmbeddingSpec::for_model(path, hidden).with_context(|| format!("pooling of {}", path.display()))?;
+    match &spec.fallback {
+        Some(why) => pb.suspend(|| eprintln!("warning: {why}: embeddings fall back to last-token pooling, L2-normalised")),
+        None => tracing::info!("embedding pooling from {}", spec.source),
+    }
+    Ok(spec)
 }

@@ -65,6 +65,20 @@ impl Default for GenerateRequest {
     }
 }
 
+/// One input to embed (an engine started with `Task::Embed`). Inputs submitted together are
+/// batched in the same forward passes, whatever their adapters.
+#[derive(Clone, Debug, Default)]
+pub struct EmbedRequest {
+    /// Token ids, instruction prefix and special tokens included.
+    pub input: Vec<u32>,
+    /// Adapter name; `None` = base model.
+    pub adapter: Option<String>,
+    /// Matryoshka truncation to this many dimensions (before normalisation).
+    pub dimensions: Option<usize>,
+    /// Overrides the model's normalisation (vLLM's `normalize`).
+    pub normalize: Option<bool>,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenLogprob {
     /// Log-probability of the chosen token (after penalties, before temperature).
@@ -332,5 +346,49 @@ impl RequestStream {
             }
         }
         c
+    }
+}
+
+/// The result of one [`EmbedRequest`]; dropping it cancels the request.
+pub struct EmbedStream {
+    pub(crate) stream: RequestStream,
+    pub(crate) rx: tokio::sync::oneshot::Receiver<Vec<f32>>,
+}
+
+impl EmbedStream {
+    pub fn prompt_tokens(&self) -> usize {
+        self.stream.prompt_tokens
+    }
+    /// Waits for the embedding (or the reason there is none).
+    pub async fn result(mut self) -> Result<Vec<f32>, String> {
+        let mut error = None;
+        while let Some(ev) = self.stream.recv().await {
+            if Self::last(ev, &mut error) {
+                break;
+            }
+        }
+        self.take(error)
+    }
+    /// [`Self::result`] for threads outside an async runtime.
+    pub fn blocking_result(mut self) -> Result<Vec<f32>, String> {
+        let mut error = None;
+        while let Some(ev) = self.stream.blocking_recv() {
+            if Self::last(ev, &mut error) {
+                break;
+            }
+        }
+        self.take(error)
+    }
+    /// Notes an error event; true at the request's end.
+    fn last(ev: StreamEvent, error: &mut Option<String>) -> bool {
+        match ev {
+            StreamEvent::Error(e) => *error = Some(e),
+            StreamEvent::Finished { .. } => return true,
+            _ => {}
+        }
+        false
+    }
+    fn take(mut self, error: Option<String>) -> Result<Vec<f32>, String> {
+        self.rx.try_recv().map_err(|_| error.unwrap_or_else(|| "the request ended without an embedding".into()))
     }
 }

@@ -1,6 +1,17 @@
 //! Engine settings (the serving CLI flags).
 
 use quiver_lora::{EvictionPolicy, LoraModule};
+use quiver_model::EmbeddingSpec;
+
+/// What the engine serves.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Task {
+    /// Text generation (`submit`).
+    #[default]
+    Generate,
+    /// Embeddings pooled as the spec says (`submit_embed`): every step returns hidden states.
+    Embed(EmbeddingSpec),
+}
 
 /// Order in which waiting requests are considered for admission.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -61,6 +72,7 @@ pub struct EngineConfig {
     /// `--lora-dir`: adapter files under it are read with the file sandbox (no symlinks,
     /// every file resolving inside it).
     pub lora_dir: Option<std::path::PathBuf>,
+    pub task: Task,
 }
 
 impl Default for EngineConfig {
@@ -84,6 +96,7 @@ impl Default for EngineConfig {
             max_model_len: None,
             aging_steps: 32,
             lora_dir: None,
+            task: Task::Generate,
         }
     }
 }

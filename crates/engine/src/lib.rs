@@ -14,8 +14,8 @@ pub mod structured;
 pub mod testing;
 pub mod text;
 
-pub use api::{AdapterError, AdapterInfo, AdapterStats, Completion, DebugState, EngineStats, FinishReason, GenerateRequest, RequestStream, StopReason, StreamEvent, SubmitError, TokenLogprob};
-pub use config::{EngineConfig, SchedulePolicy};
+pub use api::{AdapterError, AdapterInfo, AdapterStats, Completion, DebugState, EmbedRequest, EmbedStream, EngineStats, FinishReason, GenerateRequest, RequestStream, StopReason, StreamEvent, SubmitError, TokenLogprob};
+pub use config::{EngineConfig, SchedulePolicy, Task};
 pub use engine::{Engine, EngineHandle};
 pub use generate::{AdapterLora, BaseOnly, GenerateOptions, GenerateStats, Generator, StepLora};
 pub use sampling::{SamplingParams, Sampler};

@@ -6,6 +6,7 @@ use quiver_kernels::{open_device, DType, DeviceKind, Weight};
 use quiver_lora::{LoraModelDims, LoraModule};
 use quiver_model::config::{Arch, ModelConfig};
 use quiver_model::llama::{LayerWeights, LlamaModel};
+use quiver_model::moe::Mlp;
 use quiver_model::tokenizer::Tokenizer;
 use quiver_model::LoadedModel;
 use rand::rngs::StdRng;
@@ -86,6 +87,9 @@ pub fn tiny_model(tokenizer_gguf: &Path, seed: u64) -> Result<LoadedModel> {
         max_position_embeddings: 4096,
         tie_word_embeddings: true,
         qkv_bias: false,
+        qk_norm: None,
+        moe: None,
+        has_lm_head: true,
     };
     let device = open_device(DeviceKind::Cpu)?;
     let mut rng = StdRng::seed_from_u64(seed);
@@ -97,14 +101,81 @@ pub fn tiny_model(tokenizer_gguf: &Path, seed: u64) -> Result<LoadedModel> {
             attn_norm: device.tensor_from(&vec![1.0; h]),
             qkv: w(q + 2 * kv, h, 1.0 / (h as f32).sqrt()),
             qkv_bias: None,
+            qk_norm: None,
             o: w(h, q, 1.0 / (q as f32).sqrt()),
             mlp_norm: device.tensor_from(&vec![1.0; h]),
-            gate_up: w(2 * i, h, 1.0 / (h as f32).sqrt()),
-            down: w(h, i, 1.0 / (i as f32).sqrt()),
+            mlp: Mlp::Dense { gate_up: w(2 * i, h, 1.0 / (h as f32).sqrt()), down: w(h, i, 1.0 / (i as f32).sqrt()) },
         });
     }
     let embed = w(vocab, h, 1.0);
     let rope = LlamaModel::build_rope(&config, &*device);
     let model = LlamaModel { config, device: device.clone(), embed, layers, final_norm: device.tensor_from(&vec![1.0; h]), lm_head: None, rope };
     Ok(LoadedModel { model, tokenizer, path: PathBuf::from("tiny-random") })
+}
+
+/// `n` values uniform with standard deviation `std`, from a counter-based generator (splitmix64
+/// of `seed` and the index), filled in parallel: a benchmark model's billions of weights take
+/// seconds, and the values do not depend on the thread count.
+fn fast_uniform(n: usize, std: f32, seed: u64) -> Vec<f32> {
+    use rayon::prelude::*;
+    let a = std * 3f32.sqrt();
+    let mut v = vec![0.0f32; n];
+    v.par_chunks_mut(1 << 16).enumerate().for_each(|(c, out)| {
+        for (i, o) in out.iter_mut().enumerate() {
+            let mut z = seed ^ ((c << 16 | i) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            *o = ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a;
+        }
+    });
+    v
+}
+
+/// A model of `config`'s shape (dense or mixture-of-experts) with random weights on `device`,
+/// for benchmarks of shapes whose checkpoints are too large to keep around: linear weights with
+/// std 1/√in (residual branches also / √(2·layers)), routers with std 2/√hidden (so routing
+/// is varied), unit norms, no biases.
+pub fn random_model(config: ModelConfig, tokenizer: Tokenizer, device: std::sync::Arc<dyn quiver_kernels::Device>, dtype: DType, seed: u64) -> LoadedModel {
+    use quiver_kernels::QkNorm;
+    use quiver_model::config::QkNormKind;
+    use quiver_model::moe::{MoeWeights, SharedExpert};
+    let c = &config;
+    let (h, q, kv, inter, nl) = (c.hidden_size, c.q_out(), c.kv_out(), c.intermediate_size, c.num_layers);
+    let mut next = seed;
+    let mut draw = |n: usize, std: f32| {
+        next = next.wrapping_add(0x632B_E59B_D9B4_E019);
+        fast_uniform(n, std, next)
+    };
+    let resid = 1.0 / (2.0 * nl as f32).sqrt();
+    let ones = |n: usize| device.tensor_from(&vec![1.0; n]);
+    let mut layers = Vec::with_capacity(nl);
+    for l in 0..nl {
+        let mut w = |rows: usize, cols: usize, std: f32, dt: DType| device.load_weight(Weight::from_f32(rows, cols, draw(rows * cols, std), dt));
+        let qkv = w(q + 2 * kv, h, 1.0 / (h as f32).sqrt(), dtype);
+        let o = w(h, q, resid / (q as f32).sqrt(), dtype);
+        let qk_norm = c.qk_norm.map(|k| {
+            let (qg, kg) = if k == QkNormKind::PerHead { (c.head_dim, c.head_dim) } else { (q, kv) };
+            QkNorm { q: ones(qg), k: ones(kg), q_group: qg, k_group: kg, eps: c.rms_norm_eps }
+        });
+        let mlp = match &c.moe {
+            Some(mc) if c.is_moe_layer(l) => {
+                let (e, ie) = (mc.num_experts, mc.expert_intermediate);
+                let router = w(e, h, 2.0 / (h as f32).sqrt(), DType::F32);
+                let mut experts = |rows: usize, cols: usize, std: f32| (0..e).map(|_| Weight::from_f32(rows, cols, draw(rows * cols, std), dtype)).collect::<Vec<_>>();
+                let gate_up = device.load_experts(2 * ie, h, experts(2 * ie, h, 1.0 / (h as f32).sqrt()));
+                let down = device.load_experts(h, ie, experts(h, ie, resid / (ie as f32).sqrt()));
+                let mut w = |rows: usize, cols: usize, std: f32, dt: DType| device.load_weight(Weight::from_f32(rows, cols, draw(rows * cols, std), dt));
+                let shared = mc.shared_expert_intermediate.map(|is| SharedExpert { gate_up: w(2 * is, h, 1.0 / (h as f32).sqrt(), dtype), down: w(h, is, resid / (is as f32).sqrt(), dtype), gate: w(1, h, 1.0 / (h as f32).sqrt(), DType::F32) });
+                Mlp::Moe(Box::new(MoeWeights { router, gate_up, down, shared }))
+            }
+            _ => Mlp::Dense { gate_up: w(2 * inter, h, 1.0 / (h as f32).sqrt(), dtype), down: w(h, inter, resid / (inter as f32).sqrt(), dtype) },
+        };
+        layers.push(LayerWeights { attn_norm: ones(h), qkv, qkv_bias: None, qk_norm, o, mlp_norm: ones(h), mlp });
+    }
+    let embed = device.load_weight(Weight::from_f32(c.vocab_size, h, draw(c.vocab_size * h, 1.0), dtype));
+    let lm_head = (c.has_lm_head && !c.tie_word_embeddings).then(|| device.load_weight(Weight::from_f32(c.vocab_size, h, draw(c.vocab_size * h, 1.0 / (h as f32).sqrt()), dtype)));
+    let rope = LlamaModel::build_rope(c, &*device);
+    let model = LlamaModel { config, device: device.clone(), embed, layers, final_norm: ones(h), lm_head, rope };
+    LoadedModel { model, tokenizer, path: PathBuf::from("random") }
 }

@@ -59,3 +59,56 @@ fn tiny_llama3_rope_scaling_tied_matches_transformers() {
 fn tiny_mistral_matches_transformers() {
     check("ref/models/tiny-mistral", "ref/ref/tiny-mistral.json");
 }
+
+// ---- Qwen3 and the mixture-of-experts families (tiny random models from scripts/reference.py;
+// the GGUF copies hold the same weights in llama.cpp's layout, so they share the reference).
+
+#[test]
+fn tiny_qwen3_qk_norm_wide_heads_matches_transformers() {
+    check("ref/models/tiny-qwen3", "ref/ref/tiny-qwen3.json");
+}
+
+#[test]
+fn tiny_qwen3_gguf_matches_transformers() {
+    check("ref/models/tiny-qwen3.gguf", "ref/ref/tiny-qwen3.json");
+}
+
+#[test]
+fn tiny_mixtral_matches_transformers() {
+    check("ref/models/tiny-mixtral", "ref/ref/tiny-mixtral.json");
+}
+
+#[test]
+fn tiny_mixtral_gguf_permuted_stacked_experts_matches_transformers() {
+    check("ref/models/tiny-mixtral.gguf", "ref/ref/tiny-mixtral.json");
+}
+
+#[test]
+fn tiny_qwen3moe_top4_of_16_renormalised_matches_transformers() {
+    check("ref/models/tiny-qwen3moe", "ref/ref/tiny-qwen3moe.json");
+}
+
+#[test]
+fn tiny_qwen3moe_gguf_matches_transformers() {
+    check("ref/models/tiny-qwen3moe.gguf", "ref/ref/tiny-qwen3moe.json");
+}
+
+#[test]
+fn tiny_qwen3moe_with_a_dense_layer_matches_transformers() {
+    check("ref/models/tiny-qwen3moe-dense1", "ref/ref/tiny-qwen3moe-dense1.json");
+}
+
+#[test]
+fn tiny_qwen2moe_shared_expert_matches_transformers() {
+    check("ref/models/tiny-qwen2moe", "ref/ref/tiny-qwen2moe.json");
+}
+
+#[test]
+fn tiny_qwen2moe_gguf_matches_transformers() {
+    check("ref/models/tiny-qwen2moe.gguf", "ref/ref/tiny-qwen2moe.json");
+}
+
+#[test]
+fn tiny_olmoe_whole_projection_qk_norm_matches_transformers() {
+    check("ref/models/tiny-olmoe", "ref/ref/tiny-olmoe.json");
+}

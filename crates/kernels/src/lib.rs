@@ -15,6 +15,9 @@ pub mod cpu;
 pub mod cuda;
 pub mod lora;
 pub mod sample;
+pub mod moe;
+
+pub use moe::{ExpertWeights, MoeRouting, QkNorm, RouterSpec};
 
 use std::fmt;
 use std::sync::Arc;
@@ -390,6 +393,12 @@ pub trait Device: Send + Sync {
     fn lora_tile_rows(&self) -> usize {
         0
     }
+    /// Whether LoRA on MoE experts can run here: its grouping of routed rows by (adapter,
+    /// expert) is built on the host from [`MoeRouting`]'s host copy, so a device whose routing
+    /// stays in its own memory says why not, and the LoRA pool refuses expert sites with that.
+    fn lora_experts_supported(&self) -> Result<(), String> {
+        Ok(())
+    }
     /// `y[t] += Δ(x[t])` for every row `t` of `call.groups` (the `lora` module's formula); `y` is
     /// row-major `[call.groups.rows, out]`.
     fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor);
@@ -402,6 +411,34 @@ pub trait Device: Send + Sync {
             v: (0..layout.num_layers).map(|_| self.alloc(layout.layer_len())).collect(),
         }
     }
+
+    // ---- Qwen3 / OLMoE attention and mixture-of-experts layers (see `moe`)
+
+    /// RMSNorm in place over the q and k parts of a fused `[rows, q | k | v]` buffer (before
+    /// RoPE), in the groups `norm` gives; the v part is untouched.
+    fn qk_norm(&self, qkv: &mut Tensor, rows: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize, norm: &QkNorm);
+    /// Moves `E` expert weights of one shape onto the device.
+    fn load_experts(&self, rows: usize, cols: usize, experts: Vec<Weight>) -> ExpertWeights {
+        ExpertWeights { num_experts: experts.len(), rows, cols, data: moe::ExpertData::PerExpert(experts.into_iter().map(|w| self.load_weight(w)).collect()) }
+    }
+    /// Routing buffers for up to `max_rows` rows.
+    fn alloc_routing(&self, max_rows: usize, spec: RouterSpec) -> MoeRouting {
+        MoeRouting::host(max_rows, spec)
+    }
+    /// Routes `m` rows of router logits `[m, E]` (see [`moe::HostRouting::route`]).
+    fn moe_route(&self, logits: &Tensor, m: usize, route: &mut MoeRouting);
+    /// `out[p] = x[row_of[p]]` for the `m·k` grouped positions of the last routing; rows are
+    /// `dim` wide.
+    fn moe_gather(&self, x: &Tensor, dim: usize, route: &MoeRouting, out: &mut Tensor);
+    /// `y[p] = x[p] · W_e(p)ᵀ` over the `m·k` grouped rows of the last routing, where `e(p)` is
+    /// the expert position p is grouped under: one GEMM per expert over its rows.
+    fn moe_matmul(&self, x: &Tensor, route: &MoeRouting, w: &ExpertWeights, y: &mut Tensor);
+    /// `out[r] = Σ_j weight(r, j) · y[pos_of(r, j)]` over each row's k choices in order, rows
+    /// `dim` wide (overwrites `out`).
+    fn moe_combine(&self, y: &Tensor, route: &MoeRouting, dim: usize, out: &mut Tensor);
+    /// `out[r] += sigmoid(gate[r]) · x[r]` for `rows` rows of `dim` (Qwen2-MoE's shared expert;
+    /// `gate` is `[rows, 1]`).
+    fn add_sigmoid_gated(&self, out: &mut Tensor, x: &Tensor, gate: &Tensor, rows: usize, dim: usize);
 }
 
 /// Builds the device named by `kind`, or says why it cannot be used here.

@@ -45,6 +45,12 @@ pub struct LoraAdapter {
     pub num_layers: usize,
     /// `layers · 7`, indexed `layer * 7 + projection`.
     modules: Vec<Option<ModuleWeights>>,
+    /// Experts of the model (0 for a dense one).
+    pub num_experts: usize,
+    /// `layers · experts · 3`, indexed `(layer · E + e) · 3 + p` (gate, up, down).
+    experts: Vec<Option<ModuleWeights>>,
+    /// Qwen2-MoE's shared expert, `layers · 3`.
+    shared: Vec<Option<ModuleWeights>>,
     pub embed_tokens: Option<ModuleWeights>,
     pub lm_head: Option<ModuleWeights>,
     pub stamp: Option<FileStamp>,
@@ -54,26 +60,97 @@ fn proj_index(m: LoraModule) -> usize {
     LoraModule::PROJECTIONS.iter().position(|p| *p == m).expect("a projection")
 }
 
-/// Where a tensor name points.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum TensorSlot {
-    A(Option<usize>, LoraModule),
-    B(Option<usize>, LoraModule),
+/// Gate, up, down: the index of an expert or shared-expert module within its three.
+fn moe_index(m: LoraModule) -> usize {
+    proj_index(m.dense_part()) - 4
 }
 
-fn parse_tensor_name(name: &str) -> Option<TensorSlot> {
+/// Where a tensor name points. Expert modules carry their expert; `Fused` is PEFT's
+/// `target_parameters` pair on a layer's fused experts (`…mlp.experts[.base_layer].lora_X`:
+/// which parameter each of the two nested wrappers holds is read from the shapes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum TensorSlot {
+    A(Option<usize>, LoraModule, usize),
+    B(Option<usize>, LoraModule, usize),
+    FusedA(usize, bool),
+    FusedB(usize, bool),
+}
+
+impl TensorSlot {
+    fn new(is_b: bool, layer: Option<usize>, m: LoraModule, e: usize) -> Self {
+        if is_b { TensorSlot::B(layer, m, e) } else { TensorSlot::A(layer, m, e) }
+    }
+}
+
+fn lora_ab(s: &str) -> Option<bool> {
+    match s {
+        "lora_A.weight" => Some(false),
+        "lora_B.weight" => Some(true),
+        _ => None,
+    }
+}
+
+/// The modules of an MoE block under `layers.{l}.`: `mlp.experts.{e}.gate_proj`, Mixtral's
+/// `block_sparse_moe.experts.{e}.w1`, `mlp.shared_expert.up_proj`, and the fused
+/// `mlp.experts[.base_layer].lora_A.weight`.
+fn parse_moe_tensor(layer: usize, block: &str, rest: &str) -> Option<TensorSlot> {
+    if let Some(r) = rest.strip_prefix("shared_expert.") {
+        let (proj, ab) = r.split_once('.')?;
+        let m = LoraModule::MOE[3..].iter().copied().find(|m| m.dense_part().name() == proj)?;
+        return (block == "mlp").then_some(TensorSlot::new(lora_ab(ab)?, Some(layer), m, 0));
+    }
+    let r = rest.strip_prefix("experts.")?;
+    if let Some(is_b) = lora_ab(r) {
+        return Some(if is_b { TensorSlot::FusedB(layer, false) } else { TensorSlot::FusedA(layer, false) });
+    }
+    if let Some(is_b) = r.strip_prefix("base_layer.").and_then(lora_ab) {
+        return Some(if is_b { TensorSlot::FusedB(layer, true) } else { TensorSlot::FusedA(layer, true) });
+    }
+    let (e, r) = r.split_once('.')?;
+    let e: usize = e.parse().ok()?;
+    let (proj, ab) = r.split_once('.')?;
+    let m = match (block, proj) {
+        ("mlp", "gate_proj") | ("block_sparse_moe", "w1") => LoraModule::ExpertGateProj,
+        ("mlp", "up_proj") | ("block_sparse_moe", "w3") => LoraModule::ExpertUpProj,
+        ("mlp", "down_proj") | ("block_sparse_moe", "w2") => LoraModule::ExpertDownProj,
+        _ => return None,
+    };
+    Some(TensorSlot::new(lora_ab(ab)?, Some(layer), m, e))
+}
+
+/// A LoRA tensor on a module Quiver knows but applies no LoRA to (the MoE router, Qwen2-MoE's
+/// shared-expert gate): the module's path, for the refusal.
+fn unsupported_module(name: &str) -> Option<&str> {
+    let n = name.strip_prefix("base_model.model.").unwrap_or(name);
+    let module = n.strip_suffix(".lora_A.weight").or_else(|| n.strip_suffix(".lora_B.weight"))?;
+    [".mlp.gate", ".block_sparse_moe.gate", ".mlp.shared_expert_gate"].iter().any(|s| module.ends_with(s)).then_some(module)
+}
+
+/// The slot a tensor name points at, and whether the decoder's modules sit under `model.`
+/// (`…ForCausalLM`) or at the top (a bare decoder: PEFT on an embedding model's `Qwen3Model`).
+fn parse_tensor_name(name: &str) -> Option<(TensorSlot, Option<bool>)> {
     let n = name.strip_prefix("base_model.model.").unwrap_or(name);
     match n {
-        "model.embed_tokens.lora_embedding_A" => return Some(TensorSlot::A(None, LoraModule::EmbedTokens)),
-        "model.embed_tokens.lora_embedding_B" => return Some(TensorSlot::B(None, LoraModule::EmbedTokens)),
-        "lm_head.lora_A.weight" => return Some(TensorSlot::A(None, LoraModule::LmHead)),
-        "lm_head.lora_B.weight" => return Some(TensorSlot::B(None, LoraModule::LmHead)),
+        "lm_head.lora_A.weight" => return Some((TensorSlot::A(None, LoraModule::LmHead, 0), None)),
+        "lm_head.lora_B.weight" => return Some((TensorSlot::B(None, LoraModule::LmHead, 0), None)),
         _ => {}
     }
-    let rest = n.strip_prefix("model.layers.")?;
+    let (n, under_model) = match n.strip_prefix("model.") {
+        Some(rest) => (rest, true),
+        None => (n, false),
+    };
+    match n {
+        "embed_tokens.lora_embedding_A" => return Some((TensorSlot::A(None, LoraModule::EmbedTokens, 0), Some(under_model))),
+        "embed_tokens.lora_embedding_B" => return Some((TensorSlot::B(None, LoraModule::EmbedTokens, 0), Some(under_model))),
+        _ => {}
+    }
+    let rest = n.strip_prefix("layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let (block, rest) = rest.split_once('.')?;
+    if let Some(slot) = parse_moe_tensor(layer, block, rest) {
+        return Some((slot, Some(under_model)));
+    }
     let (proj, ab) = rest.split_once('.')?;
     let m = LoraModule::PROJECTIONS.iter().copied().find(|m| m.name() == proj)?;
     let expected_block = if matches!(m, LoraModule::QProj | LoraModule::KProj | LoraModule::VProj | LoraModule::OProj) {
@@ -85,15 +162,15 @@ fn parse_tensor_name(name: &str) -> Option<TensorSlot> {
         return None;
     }
     match ab {
-        "lora_A.weight" => Some(TensorSlot::A(Some(layer), m)),
-        "lora_B.weight" => Some(TensorSlot::B(Some(layer), m)),
+        "lora_A.weight" => Some((TensorSlot::A(Some(layer), m, 0), Some(under_model))),
+        "lora_B.weight" => Some((TensorSlot::B(Some(layer), m, 0), Some(under_model))),
         _ => None,
     }
 }
 
 /// A tensor name as it may appear in an error: names are file content, so only short
 /// identifier-like ones are echoed.
-fn shown(name: &str) -> String {
+pub(crate) fn shown(name: &str) -> String {
     if name.len() <= 200 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_') {
         name.to_string()
     } else {
@@ -126,13 +203,19 @@ fn effective_weight_bound(w: &ModuleWeights, din: usize) -> f64 {
 }
 
 /// What the header promises for one targeted module, checked before any data is read.
-struct Planned {
-    layer: Option<usize>,
-    module: LoraModule,
-    rank: usize,
-    scaling: f32,
-    a: (String, TensorInfo),
-    b: (String, TensorInfo),
+pub(crate) struct Planned {
+    pub layer: Option<usize>,
+    pub module: LoraModule,
+    /// The expert of an expert module.
+    pub expert: usize,
+    /// A fused `target_parameters` pair spanning every expert: its site.
+    pub fused: Option<crate::ExpertSite>,
+    /// The path PEFT matched it under (for messages).
+    pub path: String,
+    pub rank: usize,
+    pub scaling: f32,
+    pub a: (String, TensorInfo),
+    pub b: (String, TensorInfo),
 }
 
 impl LoraAdapter {
@@ -212,25 +295,28 @@ impl LoraAdapter {
             Ok(v)
         };
 
-        let mut modules: Vec<Option<ModuleWeights>> = vec![None; dims.num_layers * 7];
-        let (mut embed_tokens, mut lm_head) = (None, None);
+        let mut out = LoraAdapter::empty(name, dir.to_path_buf(), config, dims);
+        out.stamp = Some(f.stamp);
         for p in &plan {
-            let w = ModuleWeights { rank: p.rank, scaling: p.scaling, a: tensor(&p.a)?, b: tensor(&p.b)? };
-            let path = p.module.path(p.layer.unwrap_or(0));
-            let bound = effective_weight_bound(&w, dims.module_dims(p.module).0);
-            if !bound.is_finite() || bound > MAX_EFFECTIVE_WEIGHT {
-                return Err(terr(
-                    &p.b.0,
-                    format!("module `{path}`: its effective weights scale·B·A (scale {}) can reach {bound:.3e}, beyond the {MAX_EFFECTIVE_WEIGHT:.1e} f32 activations survive (the output would be Inf/NaN)", p.scaling),
-                ));
-            }
-            match (p.layer, p.module) {
-                (None, LoraModule::EmbedTokens) => embed_tokens = Some(w),
-                (None, _) => lm_head = Some(w),
-                (Some(l), m) => modules[l * 7 + proj_index(m)] = Some(w),
+            let (a, b) = (tensor(&p.a)?, tensor(&p.b)?);
+            // A fused pair is E per-expert pairs (gate_up: each the gate and the up slice).
+            let split = match p.fused {
+                None => vec![(p.module, p.expert, ModuleWeights { rank: p.rank, scaling: p.scaling, a, b })],
+                Some(site) => crate::adapter_moe::split_fused(site, p.rank, p.scaling, &a, &b, out.num_experts),
+            };
+            for (module, expert, w) in split {
+                let path = &p.path;
+                let bound = effective_weight_bound(&w, dims.module_dims(module).0);
+                if !bound.is_finite() || bound > MAX_EFFECTIVE_WEIGHT {
+                    return Err(terr(
+                        &p.b.0,
+                        format!("module `{path}`: its effective weights scale·B·A (scale {}) can reach {bound:.3e}, beyond the {MAX_EFFECTIVE_WEIGHT:.1e} f32 activations survive (the output would be Inf/NaN)", p.scaling),
+                    ));
+                }
+                out.set(p.layer, module, expert, w);
             }
         }
-        Ok(LoraAdapter { name: name.into(), path: dir.to_path_buf(), config, num_layers: dims.num_layers, modules, embed_tokens, lm_head, stamp: Some(f.stamp) })
+        Ok(out)
     }
 
     /// An in-memory adapter with random weights on every layer of `modules` at rank `rank`
@@ -256,15 +342,65 @@ impl LoraAdapter {
             let (din, dout) = dims.module_dims(m);
             ModuleWeights { rank, scaling, a: uniform(rank * din, 1.0 / (din as f32).sqrt()), b: uniform(dout * rank, b_std) }
         };
-        let mut layer_modules = Vec::with_capacity(dims.num_layers * 7);
-        for _ in 0..dims.num_layers {
-            for m in LoraModule::PROJECTIONS {
-                layer_modules.push(modules.contains(&m).then(|| pair(m)));
+        let mut out = LoraAdapter::empty(name, PathBuf::new(), config, dims);
+        let shared = dims.moe.is_some_and(|m| m.shared_intermediate > 0);
+        for l in 0..dims.num_layers {
+            let moe = dims.is_moe_layer(l);
+            for &m in modules {
+                match m {
+                    LoraModule::EmbedTokens | LoraModule::LmHead => {}
+                    _ if m.is_expert() => {
+                        for e in 0..if moe { out.num_experts } else { 0 } {
+                            out.set(Some(l), m, e, pair(m));
+                        }
+                    }
+                    LoraModule::SharedGateProj | LoraModule::SharedUpProj | LoraModule::SharedDownProj if moe && shared => out.set(Some(l), m, 0, pair(m)),
+                    LoraModule::GateProj | LoraModule::UpProj | LoraModule::DownProj if moe => {}
+                    _ if m.is_projection() && !LoraModule::MOE.contains(&m) => out.set(Some(l), m, 0, pair(m)),
+                    _ => {}
+                }
             }
         }
-        let embed_tokens = modules.contains(&LoraModule::EmbedTokens).then(|| pair(LoraModule::EmbedTokens));
-        let lm_head = modules.contains(&LoraModule::LmHead).then(|| pair(LoraModule::LmHead));
-        Ok(LoraAdapter { name: name.into(), path: PathBuf::new(), config, num_layers: dims.num_layers, modules: layer_modules, embed_tokens, lm_head, stamp: None })
+        for m in [LoraModule::EmbedTokens, LoraModule::LmHead] {
+            if modules.contains(&m) {
+                out.set(None, m, 0, pair(m));
+            }
+        }
+        Ok(out)
+    }
+
+    fn empty(name: &str, path: PathBuf, config: AdapterConfig, dims: &LoraModelDims) -> Self {
+        let (l, e) = (dims.num_layers, dims.moe.map_or(0, |m| m.num_experts));
+        let has_shared = dims.moe.is_some_and(|m| m.shared_intermediate > 0);
+        LoraAdapter {
+            name: name.into(),
+            path,
+            config,
+            num_layers: l,
+            modules: vec![None; l * 7],
+            num_experts: e,
+            experts: vec![None; l * e * 3],
+            shared: vec![None; if has_shared { l * 3 } else { 0 }],
+            embed_tokens: None,
+            lm_head: None,
+            stamp: None,
+        }
+    }
+
+    fn set(&mut self, layer: Option<usize>, m: LoraModule, expert: usize, w: ModuleWeights) {
+        let l = layer.unwrap_or(0);
+        match m {
+            LoraModule::EmbedTokens => self.embed_tokens = Some(w),
+            LoraModule::LmHead => self.lm_head = Some(w),
+            _ if m.is_expert() => self.experts[(l * self.num_experts + expert) * 3 + moe_index(m)] = Some(w),
+            _ if LoraModule::MOE.contains(&m) => self.shared[l * 3 + moe_index(m)] = Some(w),
+            _ => self.modules[l * 7 + proj_index(m)] = Some(w),
+        }
+    }
+
+    /// Expert `e`'s projection `m` (an `Expert*` module) in `layer`, if the adapter has it.
+    pub fn expert(&self, layer: usize, e: usize, m: LoraModule) -> Option<&ModuleWeights> {
+        self.experts.get((layer * self.num_experts + e) * 3 + moe_index(m))?.as_ref()
     }
 
     /// The weights of a projection in `layer`, if the adapter has it.
@@ -272,6 +408,9 @@ impl LoraAdapter {
         match m {
             LoraModule::EmbedTokens => self.embed_tokens.as_ref(),
             LoraModule::LmHead => self.lm_head.as_ref(),
+            // Some expert's: see `expert`.
+            _ if m.is_expert() => (0..self.num_experts).find_map(|e| self.expert(layer, e, m)),
+            _ if LoraModule::MOE.contains(&m) => self.shared.get(layer * 3 + moe_index(m))?.as_ref(),
             _ => self.modules[layer * 7 + proj_index(m)].as_ref(),
         }
     }
@@ -279,8 +418,12 @@ impl LoraAdapter {
     /// Every `(module, max rank)` this adapter carries.
     pub fn module_ranks(&self) -> Vec<(LoraModule, usize)> {
         let mut out: Vec<(LoraModule, usize)> = Vec::new();
-        for m in LoraModule::ALL {
-            let r = (0..self.num_layers.max(1)).filter_map(|l| self.module(l, m)).map(|w| w.rank).max();
+        for m in LoraModule::ALL.into_iter().chain(LoraModule::MOE) {
+            let r = if m.is_expert() {
+                self.experts.iter().skip(moe_index(m)).step_by(3).flatten().map(|w| w.rank).max()
+            } else {
+                (0..self.num_layers.max(1)).filter_map(|l| self.module(l, m)).map(|w| w.rank).max()
+            };
             if let Some(r) = r {
                 out.push((m, r));
             }
@@ -320,7 +463,7 @@ impl LoraAdapter {
     /// Host bytes held by the weights.
     pub fn size_bytes(&self) -> usize {
         let w = |m: &ModuleWeights| (m.a.len() + m.b.len()) * 4;
-        self.modules.iter().flatten().map(w).sum::<usize>() + self.embed_tokens.iter().map(w).sum::<usize>() + self.lm_head.iter().map(w).sum::<usize>()
+        self.modules.iter().chain(&self.experts).chain(&self.shared).flatten().map(w).sum::<usize>() + self.embed_tokens.iter().map(w).sum::<usize>() + self.lm_head.iter().map(w).sum::<usize>()
     }
 }
 
@@ -333,18 +476,40 @@ fn plan_modules(name: &str, config: &AdapterConfig, dims: &LoraModelDims, max_ra
     let mut names: Vec<(String, &TensorInfo)> = meta.tensors().into_iter().collect();
     // Deterministic errors: the first offending tensor in file order.
     names.sort_by_key(|(_, i)| i.data_offsets);
+    // `model.` when the decoder's modules sit under it (`None` until a tensor says).
+    let mut under_model: Option<bool> = None;
     for (tname, info) in names {
-        let slot = parse_tensor_name(&tname).ok_or_else(|| terr(&tname, "unknown tensor name (expected PEFT LoRA names for q/k/v/o/gate/up/down_proj, embed_tokens or lm_head)".into()))?;
-        let (layer, module) = match slot {
-            TensorSlot::A(l, m) | TensorSlot::B(l, m) => (l, m),
+        let Some((slot, under)) = parse_tensor_name(&tname) else {
+            if let Some(module) = unsupported_module(&tname) {
+                return Err(LoraError::Incompatible { adapter: name.into(), module: shown(module), reason: "LoRA on the MoE router or on the shared expert's gate is not supported".into() });
+            }
+            return Err(terr(&tname, "unknown tensor name (expected PEFT LoRA names for q/k/v/o/gate/up/down_proj, experts, shared_expert, embed_tokens or lm_head)".into()));
+        };
+        match (under_model, under) {
+            (Some(a), Some(b)) if a != b => return Err(terr(&tname, "mixes module paths under `model.` and at the top level in one adapter".into())),
+            (None, Some(b)) => under_model = Some(b),
+            _ => {}
+        }
+        let (layer, module, expert, fused) = match slot {
+            TensorSlot::A(l, m, e) | TensorSlot::B(l, m, e) => (l, m, e, false),
+            TensorSlot::FusedA(l, _) | TensorSlot::FusedB(l, _) => (Some(l), LoraModule::ExpertGateProj, 0, true),
         };
         if let Some(l) = layer {
             if l >= dims.num_layers {
                 return Err(terr(&tname, format!("layer {l} does not exist (the model has {} layers)", dims.num_layers)));
             }
         }
-        let path = module.path(layer.unwrap_or(0));
-        if !config.targets_path(&path) {
+        let prefix = if under.unwrap_or(true) { "model." } else { "" };
+        let path = crate::adapter_moe::module_path(dims, layer, module, expert, prefix);
+        crate::adapter_moe::check_structure(dims, layer, module, expert, fused).map_err(|e| match e {
+            crate::adapter_moe::Misfit::Module(reason) => LoraError::Incompatible { adapter: name.into(), module: path.clone(), reason },
+            crate::adapter_moe::Misfit::Tensor(reason) => terr(&tname, reason),
+        })?;
+        if fused {
+            if config.target_parameters.is_empty() {
+                return Err(terr(&tname, "a fused expert LoRA tensor, but adapter_config.json has no target_parameters".into()));
+            }
+        } else if !config.targets_path(&path) {
             return Err(terr(&tname, format!("module `{path}` is not targeted by adapter_config.json (target_modules / exclude_modules / layers_to_transform)")));
         }
         if info.shape.len() != 2 {
@@ -360,10 +525,11 @@ fn plan_modules(name: &str, config: &AdapterConfig, dims: &LoraModelDims, max_ra
     }
 
     // Shape and presence checks per targeted module; the error names the PEFT tensor.
-    let mut take = |layer: Option<usize>, m: LoraModule| -> Result<Option<Planned>> {
-        let path = m.path(layer.unwrap_or(0));
-        let a = found.remove(&TensorSlot::A(layer, m));
-        let b = found.remove(&TensorSlot::B(layer, m));
+    let under: &'static str = if under_model.unwrap_or(true) { "model." } else { "" };
+    let take = |found: &mut HashMap<TensorSlot, (String, TensorInfo)>, layer: Option<usize>, m: LoraModule, expert: usize| -> Result<Option<Planned>> {
+        let path = crate::adapter_moe::module_path(dims, layer, m, expert, under);
+        let a = found.remove(&TensorSlot::A(layer, m, expert));
+        let b = found.remove(&TensorSlot::B(layer, m, expert));
         let prefix = "base_model.model.";
         let (an, bn) = match m {
             LoraModule::EmbedTokens => (format!("{prefix}{path}.lora_embedding_A"), format!("{prefix}{path}.lora_embedding_B")),
@@ -404,17 +570,41 @@ fn plan_modules(name: &str, config: &AdapterConfig, dims: &LoraModelDims, max_ra
         if let Some(max) = max_rank.filter(|&max| r > max) {
             return Err(LoraError::Incompatible { adapter: name.into(), module: m.name().into(), reason: format!("rank {r} exceeds max_lora_rank {max}") });
         }
-        Ok(Some(Planned { layer, module: m, rank: r, scaling, a, b }))
+        Ok(Some(Planned { layer, module: m, expert, fused: None, path, rank: r, scaling, a, b }))
     };
 
     let mut plan = Vec::new();
+    let moe = dims.moe.unwrap_or_default();
     for l in 0..dims.num_layers {
+        let is_moe = dims.is_moe_layer(l);
         for m in LoraModule::PROJECTIONS {
-            plan.extend(take(Some(l), m)?);
+            // An expert layer's MLP is its experts (refused by name above if the file has it).
+            if !(is_moe && matches!(m, LoraModule::GateProj | LoraModule::UpProj | LoraModule::DownProj)) {
+                plan.extend(take(&mut found, Some(l), m, 0)?);
+            }
+        }
+        if !is_moe {
+            continue;
+        }
+        // transformers >= 5 PEFT: one pair per fused parameter spanning every expert, in place
+        // of per-expert modules (which its target_modules may still seem to name).
+        if found.keys().any(|k| matches!(k, TensorSlot::FusedA(x, _) | TensorSlot::FusedB(x, _) if *x == l)) {
+            plan.extend(crate::adapter_moe::plan_fused(name, config, dims, max_rank, l, under, &mut found)?);
+        } else {
+            for e in 0..moe.num_experts {
+                for m in &LoraModule::MOE[..3] {
+                    plan.extend(take(&mut found, Some(l), *m, e)?);
+                }
+            }
+        }
+        if moe.shared_intermediate > 0 {
+            for m in &LoraModule::MOE[3..] {
+                plan.extend(take(&mut found, Some(l), *m, 0)?);
+            }
         }
     }
-    plan.extend(take(None, LoraModule::EmbedTokens)?);
-    plan.extend(take(None, LoraModule::LmHead)?);
+    plan.extend(take(&mut found, None, LoraModule::EmbedTokens, 0)?);
+    plan.extend(take(&mut found, None, LoraModule::LmHead, 0)?);
     // Anything left is an A without its B (or vice versa) for an untargeted module; the
     // targeting check above already refused those, so this is a safety net.
     if let Some((_, (tname, _))) = found.into_iter().next() {

@@ -47,7 +47,7 @@ pub struct RowGrouping {
 }
 
 impl RowGrouping {
-    fn with_capacity(rows: usize, slots: usize) -> Self {
+    pub(crate) fn with_capacity(rows: usize, slots: usize) -> Self {
         RowGrouping {
             row_slot: Vec::with_capacity(rows),
             seg_start: Vec::with_capacity(rows),
@@ -110,6 +110,24 @@ impl RowGrouping {
         pack_tiles(&self.chunks(), tile_rows, rows, &mut chunks);
         self.packed_segments = segs;
         self.packed_chunks = chunks;
+    }
+
+    /// The grouped positions of an MoE layer's routing as this grouping's rows: expert e's
+    /// positions `offsets[e]..offsets[e+1]` come from token rows `row_of[p]`, and position p
+    /// gets slot `row_slot[row_of[p]]·E + e` of the expert sites (none for base rows). So a
+    /// group never mixes experts, and within an expert rows of one adapter share its shrink and
+    /// expand (segments in prefill, where a request's rows stay together; chunks in decode).
+    pub(crate) fn group_experts(&mut self, row_slot: &[i32], offsets: &[u32], row_of: &[u32], num_slots: usize, chunk: usize, tile_rows: usize) {
+        let e = offsets.len() - 1;
+        self.row_slot.clear();
+        for x in 0..e {
+            for &r in &row_of[offsets[x] as usize..offsets[x + 1] as usize] {
+                let s = row_slot[r as usize];
+                self.row_slot.push(if s >= 0 { s * e as i32 + x as i32 } else { -1 });
+            }
+        }
+        self.group(num_slots * e, chunk);
+        self.pack(tile_rows);
     }
 
     /// Derives segments, permutation and chunks from `row_slot`.

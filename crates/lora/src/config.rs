@@ -2,7 +2,8 @@
 //!
 //! Module paths are the names PEFT matches against inside `LlamaForCausalLM`:
 //! `model.layers.{N}.self_attn.{q,k,v,o}_proj`, `model.layers.{N}.mlp.{gate,up,down}_proj`,
-//! `model.embed_tokens`, `lm_head`. Matching follows `peft/tuners/tuners_utils.py`
+//! `model.embed_tokens`, `lm_head` (inside a bare decoder such as an embedding model's
+//! `Qwen3Model` the same without `model.`: see [`LoraModule::path_under`]). Matching follows `peft/tuners/tuners_utils.py`
 //! (`check_target_module_exists`) and `peft/utils/other.py` (`get_pattern_key`):
 //! - `target_modules` list: exact name or suffix `.{t}`; string: `re.fullmatch` on the path;
 //!   `"all-linear"`: the seven projections (never `lm_head`); absent: PEFT's Llama default
@@ -32,6 +33,16 @@ pub enum LoraModule {
     DownProj,
     EmbedTokens,
     LmHead,
+    /// One expert's projections in an MoE layer (`…mlp.experts.{e}.gate_proj`, Mixtral's
+    /// `…block_sparse_moe.experts.{e}.w1`; `w3` is up, `w2` down). Which expert is a separate
+    /// index; the pool sizes these sites by experts × rank.
+    ExpertGateProj,
+    ExpertUpProj,
+    ExpertDownProj,
+    /// Qwen2-MoE's shared expert (`…mlp.shared_expert.gate_proj`, …).
+    SharedGateProj,
+    SharedUpProj,
+    SharedDownProj,
 }
 
 impl LoraModule {
@@ -46,7 +57,17 @@ impl LoraModule {
         LoraModule::EmbedTokens,
         LoraModule::LmHead,
     ];
-    /// The seven per-layer projections (what `all-linear` means).
+    /// Projections of an MoE layer's experts and shared expert (`experts` / `shared_expert` on a
+    /// CLI).
+    pub const MOE: [LoraModule; 6] = [
+        LoraModule::ExpertGateProj,
+        LoraModule::ExpertUpProj,
+        LoraModule::ExpertDownProj,
+        LoraModule::SharedGateProj,
+        LoraModule::SharedUpProj,
+        LoraModule::SharedDownProj,
+    ];
+    /// The seven per-layer projections of a dense layer (what `all-linear` means there).
     pub const PROJECTIONS: [LoraModule; 7] = [
         LoraModule::QProj,
         LoraModule::KProj,
@@ -68,7 +89,27 @@ impl LoraModule {
             LoraModule::DownProj => "down_proj",
             LoraModule::EmbedTokens => "embed_tokens",
             LoraModule::LmHead => "lm_head",
+            LoraModule::ExpertGateProj => "experts.gate_proj",
+            LoraModule::ExpertUpProj => "experts.up_proj",
+            LoraModule::ExpertDownProj => "experts.down_proj",
+            LoraModule::SharedGateProj => "shared_expert.gate_proj",
+            LoraModule::SharedUpProj => "shared_expert.up_proj",
+            LoraModule::SharedDownProj => "shared_expert.down_proj",
         }
+    }
+
+    /// The dense projection an expert or shared-expert module has the shape and PEFT name of.
+    pub fn dense_part(self) -> LoraModule {
+        match self {
+            LoraModule::ExpertGateProj | LoraModule::SharedGateProj => LoraModule::GateProj,
+            LoraModule::ExpertUpProj | LoraModule::SharedUpProj => LoraModule::UpProj,
+            LoraModule::ExpertDownProj | LoraModule::SharedDownProj => LoraModule::DownProj,
+            m => m,
+        }
+    }
+
+    pub fn is_expert(self) -> bool {
+        matches!(self, LoraModule::ExpertGateProj | LoraModule::ExpertUpProj | LoraModule::ExpertDownProj)
     }
 
     /// Parses a module name as given on a CLI (`q_proj`, ..., `embed_tokens`, `lm_head`); the
@@ -81,11 +122,13 @@ impl LoraModule {
                 "all-linear" | "all" => out.extend(LoraModule::PROJECTIONS),
                 "qkv_proj" => out.extend([LoraModule::QProj, LoraModule::KProj, LoraModule::VProj]),
                 "gate_up_proj" => out.extend([LoraModule::GateProj, LoraModule::UpProj]),
-                _ => match LoraModule::ALL.iter().find(|m| m.name() == part) {
+                "experts" => out.extend(&LoraModule::MOE[..3]),
+                "shared_expert" => out.extend(&LoraModule::MOE[3..]),
+                _ => match LoraModule::ALL.iter().chain(&LoraModule::MOE).find(|m| m.name() == part) {
                     Some(m) => out.push(*m),
                     None => {
                         return Err(format!(
-                            "unknown LoRA target module `{part}` (valid: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj, embed_tokens, lm_head, all-linear)"
+                            "unknown LoRA target module `{part}` (valid: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj, embed_tokens, lm_head, all-linear, experts, shared_expert)"
                         ))
                     }
                 },
@@ -102,15 +145,41 @@ impl LoraModule {
 
     /// The path PEFT matches patterns against (`layer` is ignored for embed/lm_head).
     pub fn path(self, layer: usize) -> String {
+        self.path_under(layer, "model.")
+    }
+
+    /// The path with the decoder's modules under `prefix`: `model.` in a `…ForCausalLM`, empty
+    /// in a bare decoder (an embedding model's `Qwen3Model`), which is what PEFT matched against.
+    pub fn path_under(self, layer: usize, prefix: &str) -> String {
         match self {
             LoraModule::QProj | LoraModule::KProj | LoraModule::VProj | LoraModule::OProj => {
-                format!("model.layers.{layer}.self_attn.{}", self.name())
+                format!("{prefix}layers.{layer}.self_attn.{}", self.name())
             }
             LoraModule::GateProj | LoraModule::UpProj | LoraModule::DownProj => {
-                format!("model.layers.{layer}.mlp.{}", self.name())
+                format!("{prefix}layers.{layer}.mlp.{}", self.name())
             }
-            LoraModule::EmbedTokens => "model.embed_tokens".to_string(),
+            LoraModule::EmbedTokens => format!("{prefix}embed_tokens"),
             LoraModule::LmHead => "lm_head".to_string(),
+            LoraModule::SharedGateProj | LoraModule::SharedUpProj | LoraModule::SharedDownProj => {
+                format!("{prefix}layers.{layer}.mlp.shared_expert.{}", self.dense_part().name())
+            }
+            // Experts need their index and the family's names: see `expert_path`.
+            LoraModule::ExpertGateProj | LoraModule::ExpertUpProj | LoraModule::ExpertDownProj => self.expert_path(layer, 0, false, prefix),
+        }
+    }
+
+    /// Path of expert `e`'s projection: `{prefix}layers.{l}.mlp.experts.{e}.gate_proj`, or with
+    /// Mixtral's names `{prefix}layers.{l}.block_sparse_moe.experts.{e}.w1` (w3 up, w2 down).
+    pub fn expert_path(self, layer: usize, e: usize, mixtral: bool, prefix: &str) -> String {
+        if mixtral {
+            let w = match self {
+                LoraModule::ExpertGateProj => "w1",
+                LoraModule::ExpertUpProj => "w3",
+                _ => "w2",
+            };
+            format!("{prefix}layers.{layer}.block_sparse_moe.experts.{e}.{w}")
+        } else {
+            format!("{prefix}layers.{layer}.mlp.experts.{e}.{}", self.dense_part().name())
         }
     }
 }
@@ -150,6 +219,8 @@ pub struct AdapterConfig {
     /// Accepted: A/B keep PEFT shapes; only merging into the base would transpose.
     pub fan_in_fan_out: bool,
     pub base_model_name_or_path: Option<String>,
+    /// PEFT's `target_parameters` (fused expert tensors only; checked at parse).
+    pub target_parameters: Vec<String>,
 }
 
 fn cfg_err(adapter: &str, field: &str, reason: impl Into<String>) -> LoraError {
@@ -217,8 +288,20 @@ impl AdapterConfig {
         if get("lora_bias").and_then(Value::as_bool).unwrap_or(false) {
             return Err(cfg_err(adapter, "lora_bias", "a bias on lora_B is not supported"));
         }
+        // PEFT's LoRA on parameters: only the fused expert tensors of transformers >= 5
+        // (`mlp.experts.gate_up_proj` / `mlp.experts.down_proj`) have a delta Quiver applies.
+        let mut target_parameters = Vec::new();
         if non_empty(get("target_parameters")) {
-            return Err(cfg_err(adapter, "target_parameters", "LoRA on raw parameters (MoE experts) is not supported"));
+            let list = get("target_parameters").and_then(Value::as_array).ok_or_else(|| cfg_err(adapter, "target_parameters", "expected a list of parameter names"))?;
+            for (i, v) in list.iter().enumerate() {
+                let name = v.as_str().ok_or_else(|| cfg_err(adapter, "target_parameters", format!("entry #{} is not a string", i + 1)))?;
+                let known = ["experts.gate_up_proj", "experts.down_proj"].iter().any(|k| name == *k || name.ends_with(&format!(".{k}")));
+                if !known {
+                    let shown: String = name.chars().take(128).collect();
+                    return Err(cfg_err(adapter, "target_parameters", format!("LoRA on parameter `{shown}` is not supported (only the fused experts' `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`)")));
+                }
+                target_parameters.push(name.to_string());
+            }
         }
 
         let r = match get("r") {
@@ -315,6 +398,7 @@ impl AdapterConfig {
             layers_pattern,
             fan_in_fan_out,
             base_model_name_or_path: get("base_model_name_or_path").and_then(Value::as_str).map(str::to_string),
+            target_parameters,
         })
     }
 
@@ -338,6 +422,12 @@ impl AdapterConfig {
             return self.layer_index(path).is_some_and(|i| layers.contains(&i));
         }
         true
+    }
+
+    /// Whether `target_parameters` names the fused expert parameter at `path`
+    /// (`…layers.{l}.mlp.experts.gate_up_proj`), by PEFT's suffix match.
+    pub fn targets_parameter(&self, path: &str) -> bool {
+        self.target_parameters.iter().any(|t| path == t || path.ends_with(&format!(".{t}")))
     }
 
     pub fn targets(&self, layer: usize, m: LoraModule) -> bool {

@@ -10,6 +10,7 @@
 //!   exclude matching, `layers_to_transform`) and every refusal.
 //! - [`adapter`]: one adapter's weights in host memory, validated against the model dims.
 //! - [`adapter_files`]: bounded, sandboxed reads of an adapter directory's files.
+//! - `adapter_moe`: expert and shared-expert modules, PEFT's `target_parameters` on fused experts.
 //! - [`mem_pool`]: the preallocated slot buffers the kernels read.
 //! - [`eviction_policy`]: LRU / FIFO victim choice over slots.
 //! - [`registry`]: names, versions, in-flight counts and the host-memory cache.
@@ -36,6 +37,7 @@
 
 pub mod adapter;
 pub mod adapter_files;
+mod adapter_moe;
 pub mod backend;
 pub mod batch;
 pub mod config;
@@ -54,8 +56,9 @@ pub use eviction_policy::EvictionPolicy;
 pub use manager::{BatchHook, LoraConfig, LoraManager};
 pub use mem_pool::LoraMemoryPool;
 pub use registry::{AdapterId, AdapterKey, AdapterInfo};
+pub use mem_pool::MAX_EXPERT_POOL_BYTES;
 
-use quiver_kernels::{Device, Tensor};
+use quiver_kernels::{Device, MoeRouting, Tensor};
 
 /// A linear site of a Llama-family layer. q/k/v and gate/up are fused in the base model, so
 /// their LoRA deltas are fused multi-slice expands (3 and 2 slices).
@@ -101,6 +104,27 @@ impl LoraModelDims {
             DownProj => (self.intermediate, self.hidden),
             EmbedTokens => (self.vocab, self.hidden),
             LmHead => (self.hidden, self.vocab),
+            ExpertGateProj | ExpertUpProj => (self.hidden, self.moe_dims().expert_intermediate),
+            ExpertDownProj => (self.moe_dims().expert_intermediate, self.hidden),
+            SharedGateProj | SharedUpProj => (self.hidden, self.moe_dims().shared_intermediate),
+            SharedDownProj => (self.moe_dims().shared_intermediate, self.hidden),
+        }
+    }
+    fn moe_dims(&self) -> MoeLoraDims {
+        self.moe.unwrap_or_default()
+    }
+    /// Whether layer `l`'s MLP is experts.
+    pub fn is_moe_layer(&self, l: usize) -> bool {
+        self.moe.is_some_and(|m| l >= 128 || m.moe_layers >> l & 1 == 1)
+    }
+    /// Input width and fused slice widths of an expert site (one expert's), or of the shared
+    /// expert's (`shared`).
+    pub fn expert_site_dims(&self, site: ExpertSite, shared: bool) -> (usize, [usize; 3], usize) {
+        let m = self.moe_dims();
+        let i = if shared { m.shared_intermediate } else { m.expert_intermediate };
+        match site {
+            ExpertSite::GateUp => (self.hidden, [i, i, 0], 2),
+            ExpertSite::Down => (i, [self.hidden, 0, 0], 1),
         }
     }
     /// Input width and fused slice widths of a site.
@@ -125,6 +149,50 @@ pub struct LoraModelDims {
     pub kv_out: usize,
     pub intermediate: usize,
     pub vocab: usize,
+    /// Set for a mixture-of-experts model.
+    pub moe: Option<MoeLoraDims>,
+}
+
+/// What LoRA needs to know of a model's experts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MoeLoraDims {
+    pub num_experts: usize,
+    pub expert_intermediate: usize,
+    /// Qwen2-MoE's shared expert; 0 without one.
+    pub shared_intermediate: usize,
+    /// Mixtral's module names (`block_sparse_moe.experts.{e}.w1|w3|w2`) instead of
+    /// `mlp.experts.{e}.gate_proj|up_proj|down_proj`.
+    pub mixtral_names: bool,
+    /// Bit `l` set when layer `l`'s MLP is experts (Qwen's `mlp_only_layers` are not); layers
+    /// from 128 on count as experts (no MoE model has dense layers that deep).
+    pub moe_layers: u128,
+}
+
+/// The LoRA sites of an expert (and of Qwen2-MoE's shared expert): its fused `[gate | up]`
+/// and its down projection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExpertSite {
+    GateUp,
+    Down,
+}
+
+impl ExpertSite {
+    pub const ALL: [ExpertSite; 2] = [ExpertSite::GateUp, ExpertSite::Down];
+    pub fn index(self) -> usize {
+        self as usize
+    }
+    pub fn expert_modules(self) -> &'static [LoraModule] {
+        match self {
+            ExpertSite::GateUp => &[LoraModule::ExpertGateProj, LoraModule::ExpertUpProj],
+            ExpertSite::Down => &[LoraModule::ExpertDownProj],
+        }
+    }
+    pub fn shared_modules(self) -> &'static [LoraModule] {
+        match self {
+            ExpertSite::GateUp => &[LoraModule::SharedGateProj, LoraModule::SharedUpProj],
+            ExpertSite::Down => &[LoraModule::SharedDownProj],
+        }
+    }
 }
 
 /// The seam between the forward pass and LoRA. `m` rows of the batch are processed; which
@@ -141,6 +209,12 @@ pub trait LoraHook: Sync {
     /// LM head on pruned rows: `x` is `[rows.len(), hidden]` (final-normed hidden states of the
     /// token rows listed in `rows`), `logits` is `[rows.len(), vocab]`.
     fn lm_head(&self, dev: &dyn Device, x: &Tensor, rows: &[u32], logits: &mut Tensor);
+    /// An MoE layer's experts: `x` and `y` are the `m·k` grouped rows of `route` (`[m·k, in]`
+    /// input and `[m·k, out]` base output of the experts' GEMM); position `p` gets the delta of
+    /// its expert in its source row's adapter, before the router-weighted combine.
+    fn experts(&self, _dev: &dyn Device, _layer: usize, _site: ExpertSite, _route: &MoeRouting, _x: &Tensor, _y: &mut Tensor) {}
+    /// Qwen2-MoE's shared expert, like [`Self::linear`] over the `m` token rows.
+    fn shared_expert(&self, _dev: &dyn Device, _layer: usize, _site: ExpertSite, _x: &Tensor, _m: usize, _y: &mut Tensor) {}
     /// False when no row of this batch has an adapter, so the model may skip every call.
     fn is_active(&self) -> bool;
     /// Host metadata to stage with the batch (`Device::stage_batch`'s `extra`): the row

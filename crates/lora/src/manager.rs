@@ -6,16 +6,16 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use quiver_kernels::{Device, DeviceKind, LoraX, Tensor};
+use quiver_kernels::{Device, DeviceKind, LoraX, MoeRouting, Tensor};
 
 use crate::backend::{create_backend, LoraBackend, SiteRef, DEFAULT_BACKEND};
-use crate::batch::{LoraBatchInfo, DEFAULT_CHUNK_SIZE};
+use crate::batch::{LoraBatchInfo, RowGrouping, DEFAULT_CHUNK_SIZE};
 use crate::config::LoraModule;
 use crate::error::{LoraError, Result};
 use crate::eviction_policy::EvictionPolicy;
 use crate::mem_pool::LoraMemoryPool;
 use crate::registry::{AdapterInfo, AdapterKey, LoraRegistry};
-use crate::{LinearSite, LoraAdapter, LoraHook, LoraModelDims};
+use crate::{ExpertSite, LinearSite, LoraAdapter, LoraHook, LoraModelDims};
 
 /// Serving-time LoRA settings (the CLI flags).
 #[derive(Clone, Debug)]
@@ -64,6 +64,9 @@ pub struct LoraManager {
     seq_slots: Vec<Option<u32>>,
     /// See [`LoraManager::set_disk_reload`].
     disk_reload: bool,
+    /// The grouping of an MoE layer's routed positions, rebuilt per layer (a hook is `&self`
+    /// and the model calls it one layer at a time, so the lock is never contended).
+    expert_rows: std::sync::Mutex<RowGrouping>,
 }
 
 impl LoraManager {
@@ -90,6 +93,7 @@ impl LoraManager {
             batch_keys: Vec::with_capacity(s + 1),
             seq_slots: Vec::with_capacity(config.max_batch_tokens),
             disk_reload: true,
+            expert_rows: std::sync::Mutex::new(RowGrouping::with_capacity(config.max_batch_tokens, s * dims.moe.map_or(1, |m| m.num_experts))),
             dims,
             config,
             device: kind,
@@ -344,7 +348,7 @@ impl LoraManager {
         }
         let pool = &self.pool;
         self.batch.build(&self.seq_slots, seq_starts, logits_rows, |s| pool.slot_max_rank(s))?;
-        Ok(BatchHook { pool: &self.pool, info: &self.batch, backend: &*self.backend })
+        Ok(BatchHook { pool: &self.pool, info: &self.batch, backend: &*self.backend, expert_rows: &self.expert_rows })
     }
 
     /// The metadata of the last prepared batch.
@@ -414,6 +418,7 @@ pub struct BatchHook<'a> {
     pool: &'a LoraMemoryPool,
     info: &'a LoraBatchInfo,
     backend: &'a dyn LoraBackend,
+    expert_rows: &'a std::sync::Mutex<RowGrouping>,
 }
 
 /// Mixed into a step's shape key when any row has an adapter: the step then has LoRA launches.
@@ -426,16 +431,20 @@ impl BatchHook<'_> {
     fn site_ref<'s>(&'s self, site: Option<(&'s quiver_kernels::LoraSiteBuffers, usize)>) -> Option<SiteRef<'s>> {
         site.map(|(buffers, entry)| SiteRef { buffers, table: self.pool.table(), entry })
     }
+    /// A site over the batch's `m` token rows (a layer's linears, the shared expert's).
+    fn token_rows(&self, dev: &dyn Device, site: Option<(&quiver_kernels::LoraSiteBuffers, usize)>, x: &Tensor, m: usize, y: &mut Tensor) {
+        if !self.info.is_active() {
+            return;
+        }
+        let Some(s) = self.site_ref(site) else { return };
+        assert_eq!(m, self.info.tokens.rows(), "LoRA hook called with {m} rows but the batch was prepared for {}", self.info.tokens.rows());
+        self.backend.apply(dev, s, &self.info.tokens, LoraX::Dense(x), y);
+    }
 }
 
 impl LoraHook for BatchHook<'_> {
     fn linear(&self, dev: &dyn Device, layer: usize, site: LinearSite, x: &Tensor, m: usize, y: &mut Tensor) {
-        if !self.info.is_active() {
-            return;
-        }
-        let Some(s) = self.site_ref(self.pool.site(layer, site)) else { return };
-        assert_eq!(m, self.info.tokens.rows(), "LoRA hook called with {m} rows but the batch was prepared for {}", self.info.tokens.rows());
-        self.backend.apply(dev, s, &self.info.tokens, LoraX::Dense(x), y);
+        self.token_rows(dev, self.pool.site(layer, site), x, m, y);
     }
 
     fn embedding(&self, dev: &dyn Device, ids: &[u32], out: &mut Tensor) {
@@ -454,6 +463,26 @@ impl LoraHook for BatchHook<'_> {
         let Some(s) = self.site_ref(self.pool.lm_head()) else { return };
         assert_eq!(rows, &self.info.logits_rows[..], "LoRA lm_head hook: rows differ from the prepared logits rows");
         self.backend.apply(dev, s, &self.info.logits, LoraX::Dense(x), logits);
+    }
+
+    fn experts(&self, dev: &dyn Device, layer: usize, site: ExpertSite, route: &MoeRouting, x: &Tensor, y: &mut Tensor) {
+        if !self.info.is_active() {
+            return;
+        }
+        let Some((buffers, entry)) = self.pool.expert_site(layer, site) else { return };
+        // The pool refused expert sites on a device whose routing stays in its own memory.
+        let h = route.as_host().expect("expert LoRA with routing in device memory");
+        let n = route.rows * route.spec.top_k;
+        assert_eq!(route.rows, self.info.tokens.rows(), "LoRA expert hook: routing of {} rows for a batch of {}", route.rows, self.info.tokens.rows());
+        let mut g = self.expert_rows.lock().unwrap();
+        g.group_experts(&self.info.tokens.row_slot, &h.offsets, &h.row_of[..n], self.info.num_slots, self.info.chunk_size, self.info.tile_rows);
+        if g.adapter_rows > 0 {
+            self.backend.apply(dev, SiteRef { buffers, table: self.pool.expert_table(), entry }, &g, LoraX::Dense(x), y);
+        }
+    }
+
+    fn shared_expert(&self, dev: &dyn Device, layer: usize, site: ExpertSite, x: &Tensor, m: usize, y: &mut Tensor) {
+        self.token_rows(dev, self.pool.shared_site(layer, site), x, m, y);
     }
 
     fn is_active(&self) -> bool {

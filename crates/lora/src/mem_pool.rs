@@ -16,6 +16,12 @@
 //! of the L1's 64 sets, and all 16 rows of a rank-16 block (and the next block, prefetched) fell
 //! in one 8-way set. Host buffers are 64-byte aligned, so every row starts on a line.
 //!
+//! - MoE layers, per expert site (gate_up, down) when `experts.*` are targets: the same
+//!   shapes at the expert's width with `S·E` slots, expert e of adapter slot w at slot `w·E + e`
+//!   (its own `LoraTable`, so ranks and scalings stay per expert); Qwen2-MoE's shared expert
+//!   as two ordinary sites. Expert sites grow the pool by E× a dense MLP's at the same rank,
+//!   so they are capped ([`MAX_EXPERT_POOL_BYTES`]) with an error saying what to lower.
+//!
 //! A site's buffers exist only if one of its projections is a configured target (vocab-sized
 //! buffers are large). Slot layout and its zero-tail invariant: see the crate docs. Slot
 //! metadata (site rank, per-slice scaling) is a `LoraTable` `[entry][slot]`, mirrored on the
@@ -29,7 +35,7 @@ use crate::config::LoraModule;
 use crate::error::{LoraError, Result};
 use crate::eviction_policy::{EvictionPolicy, EvictionTracker};
 use crate::registry::AdapterKey;
-use crate::{LinearSite, LoraModelDims};
+use crate::{ExpertSite, LinearSite, LoraModelDims};
 use quiver_kernels::lora::MAX_SLICES;
 use quiver_kernels::{Device, LoraSiteBuffers, LoraSiteShape, LoraTable};
 
@@ -57,6 +63,16 @@ fn site_shape(slots: usize, max_rank: usize, in_dim: usize, widths: &[usize]) ->
     LoraSiteShape { slots, max_rank, in_dim, n_slices: n, offsets, b_ld: b_row_stride(offsets[n]) }
 }
 
+/// Most bytes the expert sites of a pool may take: `S·E` slots of every MoE layer's gate_up
+/// and down at rank `R` (Qwen3-30B-A3B at S = 4, R = 16: about 12.4 GiB in f32 over its 48
+/// layers, so whole-model expert LoRA at that size needs fewer slots or a lower rank).
+pub const MAX_EXPERT_POOL_BYTES: usize = 8 << 30;
+
+/// Table entry of a shared-expert site, after the embedding and the LM head.
+fn shared_entry(l: usize, layer: usize, site: ExpertSite) -> usize {
+    4 * l + 2 + 2 * layer + site.index()
+}
+
 /// Index of the table entry for the embedding and the LM head, after the `4·L` sites.
 fn embed_entry(l: usize) -> usize {
     4 * l
@@ -75,6 +91,14 @@ pub struct LoraMemoryPool {
     sites: Vec<Option<PoolSite>>,
     embed: Option<PoolSite>,
     lm_head: Option<PoolSite>,
+    /// Per layer, the experts' (gate_up, down) sites, `S·E` slots each.
+    experts: Vec<[Option<PoolSite>; 2]>,
+    /// Per layer, Qwen2-MoE's shared expert (gate_up, down).
+    shared: Vec<[Option<PoolSite>; 2]>,
+    /// Experts per MoE layer (0 on a dense model).
+    num_experts: usize,
+    /// Ranks and scalings of the expert sites, `[layer·2 + site][w·E + e]`.
+    expert_table: LoraTable,
     table: LoraTable,
     owner: Vec<Option<AdapterKey>>,
     pinned: Vec<bool>,
@@ -114,8 +138,52 @@ impl LoraMemoryPool {
         }
         let embed = mods.contains(&LoraModule::EmbedTokens).then(|| site(dims.vocab, &[dims.hidden], &[LoraModule::EmbedTokens]));
         let lm_head = mods.contains(&LoraModule::LmHead).then(|| site(dims.hidden, &[dims.vocab], &[LoraModule::LmHead]));
-        let mut table = device.lora_alloc_table(4 * dims.num_layers + 2, num_slots);
+        let moe = dims.moe.unwrap_or_default();
+        let e = moe.num_experts;
+        let moe_layers: Vec<usize> = (0..dims.num_layers).filter(|&l| dims.is_moe_layer(l)).collect();
+        let wants = |site: ExpertSite, shared: bool| {
+            let ms = if shared { site.shared_modules() } else { site.expert_modules() };
+            ms.iter().any(|m| mods.contains(m))
+        };
+        let expert_sites = ExpertSite::ALL.into_iter().filter(|&s| wants(s, false));
+        let bytes: usize = expert_sites
+            .map(|s| {
+                let (in_dim, w, n) = dims.expert_site_dims(s, false);
+                let sh = site_shape(num_slots * e, max_rank, in_dim, &w[..n]);
+                (sh.a_slot_len() + sh.b_slot_len()) * sh.slots * 4 * moe_layers.len()
+            })
+            .sum();
+        if bytes > 0 {
+            device.lora_experts_supported().map_err(|why| LoraError::Invalid(format!("LoRA on experts: {why}; drop `experts` from the LoRA target modules")))?;
+        }
+        if bytes > MAX_EXPERT_POOL_BYTES {
+            return Err(LoraError::Invalid(format!(
+                "LoRA on experts needs {:.1} GiB of pool ({num_slots} slots × {e} experts × rank {max_rank} over {} MoE layers), above the {} GiB cap: lower max_loras_per_batch or max_lora_rank, or drop `experts` from the LoRA target modules",
+                bytes as f64 / (1u64 << 30) as f64,
+                moe_layers.len(),
+                MAX_EXPERT_POOL_BYTES >> 30
+            )));
+        }
+        let mut experts = Vec::with_capacity(dims.num_layers);
+        let mut shared = Vec::with_capacity(dims.num_layers);
+        for l in 0..dims.num_layers {
+            let is_moe = dims.is_moe_layer(l);
+            let make = |s: ExpertSite, sh: bool, slots: usize| {
+                let ms = if sh { s.shared_modules() } else { s.expert_modules() };
+                let (in_dim, w, n) = dims.expert_site_dims(s, sh);
+                let mut m = [None; MAX_SLICES];
+                for (j, x) in ms.iter().enumerate() {
+                    m[j] = Some(*x);
+                }
+                PoolSite { buffers: device.lora_alloc_site(site_shape(slots, max_rank, in_dim, &w[..n])), modules: m }
+            };
+            experts.push(ExpertSite::ALL.map(|s| (is_moe && wants(s, false)).then(|| make(s, false, num_slots * e))));
+            shared.push(ExpertSite::ALL.map(|s| (is_moe && moe.shared_intermediate > 0 && wants(s, true)).then(|| make(s, true, num_slots))));
+        }
+        let mut table = device.lora_alloc_table(6 * dims.num_layers + 2, num_slots);
         device.lora_sync_table(&mut table);
+        let mut expert_table = device.lora_alloc_table(2 * dims.num_layers, (num_slots * e).max(1));
+        device.lora_sync_table(&mut expert_table);
         Ok(LoraMemoryPool {
             dims,
             device,
@@ -125,6 +193,10 @@ impl LoraMemoryPool {
             sites,
             embed,
             lm_head,
+            experts,
+            shared,
+            num_experts: e,
+            expert_table,
             table,
             owner: vec![None; num_slots],
             pinned: vec![false; num_slots],
@@ -150,9 +222,27 @@ impl LoraMemoryPool {
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.device
     }
+    /// Every site's buffers.
+    fn all_sites(&self) -> impl Iterator<Item = &PoolSite> {
+        self.sites.iter().flatten().chain(&self.embed).chain(&self.lm_head).chain(self.experts.iter().chain(&self.shared).flatten().flatten())
+    }
     /// Bytes held by all A/B buffers.
     pub fn size_bytes(&self) -> usize {
-        self.sites.iter().flatten().chain(&self.embed).chain(&self.lm_head).map(|s| s.buffers.size_bytes()).sum()
+        self.all_sites().map(|s| s.buffers.size_bytes()).sum()
+    }
+    /// Buffers and expert-table entry of an MoE layer's expert site (slot `w·E + e`).
+    pub fn expert_site(&self, layer: usize, site: ExpertSite) -> Option<(&LoraSiteBuffers, usize)> {
+        self.experts.get(layer)?[site.index()].as_ref().map(|b| (&b.buffers, 2 * layer + site.index()))
+    }
+    /// Buffers and table entry of a shared-expert site.
+    pub fn shared_site(&self, layer: usize, site: ExpertSite) -> Option<(&LoraSiteBuffers, usize)> {
+        self.shared.get(layer)?[site.index()].as_ref().map(|b| (&b.buffers, shared_entry(self.dims.num_layers, layer, site)))
+    }
+    pub fn expert_table(&self) -> &LoraTable {
+        &self.expert_table
+    }
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
     }
     pub fn table(&self) -> &LoraTable {
         &self.table
@@ -171,13 +261,16 @@ impl LoraMemoryPool {
     }
     /// Largest A width of any site's shrink output (`n·R`).
     pub fn max_shrink_width(&self) -> usize {
-        self.sites.iter().flatten().chain(&self.embed).chain(&self.lm_head).map(|s| s.buffers.shape.shrink_width()).max().unwrap_or(0)
+        self.all_sites().map(|s| s.buffers.shape.shrink_width()).max().unwrap_or(0)
     }
 
     /// Largest site rank of a slot (0 = empty).
     pub fn slot_max_rank(&self, slot: usize) -> u32 {
         let s = self.num_slots;
-        (0..self.table.entries).map(|e| self.table.ranks[e * s + slot]).max().unwrap_or(0)
+        let dense = (0..self.table.entries).map(|e| self.table.ranks[e * s + slot]).max().unwrap_or(0);
+        let (t, ne) = (&self.expert_table, self.num_experts);
+        let experts = (0..t.entries).flat_map(|en| t.ranks_at(en)[slot * ne..(slot + 1) * ne].iter().copied()).max().unwrap_or(0);
+        dense.max(experts)
     }
 
     // ---- slot ownership -------------------------------------------------------------------
@@ -223,6 +316,10 @@ impl LoraMemoryPool {
         for e in 0..self.table.entries {
             self.table.ranks[e * s + slot] = 0;
         }
+        let (t, ne) = (&mut self.expert_table, self.num_experts);
+        for en in 0..t.entries {
+            t.ranks[en * t.slots + slot * ne..en * t.slots + (slot + 1) * ne].fill(0);
+        }
     }
 
     /// Empties a slot (its adapter was unloaded or evicted). Buffers are zeroed on next load;
@@ -233,6 +330,7 @@ impl LoraMemoryPool {
         self.pinned[slot] = false;
         self.clear_ranks(slot);
         self.device.lora_sync_table(&mut self.table);
+        self.device.lora_sync_table(&mut self.expert_table);
     }
 
     /// Copies `adapter` into `slot` (which must have been chosen by [`Self::choose_slot`]),
@@ -240,11 +338,10 @@ impl LoraMemoryPool {
     pub fn load(&mut self, slot: usize, key: AdapterKey, adapter: &LoraAdapter) -> Result<()> {
         adapter.check_compatible(self.max_rank, &self.modules)?;
         self.clear_ranks(slot);
-        let s = self.num_slots;
         let device = self.device.clone();
-        let table = &mut self.table;
-        let mut fill = |site: &mut PoolSite, entry: usize, layer: usize| {
-            let present: [Option<&crate::adapter::ModuleWeights>; MAX_SLICES] = std::array::from_fn(|j| site.modules[j].and_then(|m| adapter.module(layer, m)));
+        // Writes the slices `present` into slot `slot` of `site` and its (entry, slot) table row.
+        let fill = |site: &mut PoolSite, table: &mut LoraTable, entry: usize, slot: usize, present: [Option<&crate::adapter::ModuleWeights>; MAX_SLICES]| {
+            let s = table.slots;
             let r_site = present.iter().flatten().map(|w| w.rank).max().unwrap_or(0);
             let shape = site.buffers.shape;
             device.lora_write_slot(&mut site.buffers, slot, &mut |a, b| {
@@ -266,22 +363,41 @@ impl LoraMemoryPool {
             }
             table.ranks[entry * s + slot] = r_site as u32;
         };
-        for layer in 0..self.dims.num_layers {
+        let dense = |site: &PoolSite, layer: usize| -> [Option<&crate::adapter::ModuleWeights>; MAX_SLICES] { std::array::from_fn(|j| site.modules[j].and_then(|m| adapter.module(layer, m))) };
+        let l = self.dims.num_layers;
+        let table = &mut self.table;
+        for layer in 0..l {
             for site in LinearSite::ALL {
                 let e = layer * 4 + site.index();
                 if let Some(buf) = self.sites[e].as_mut() {
-                    fill(buf, e, layer);
+                    let p = dense(buf, layer);
+                    fill(buf, table, e, slot, p);
+                }
+            }
+            for site in ExpertSite::ALL {
+                if let Some(buf) = self.shared[layer][site.index()].as_mut() {
+                    let p = dense(buf, layer);
+                    fill(buf, table, shared_entry(l, layer, site), slot, p);
+                }
+                let ne = self.num_experts;
+                if let Some(buf) = self.experts[layer][site.index()].as_mut() {
+                    for x in 0..ne {
+                        let p = std::array::from_fn(|j| buf.modules[j].and_then(|m| adapter.expert(layer, x, m)));
+                        fill(buf, &mut self.expert_table, 2 * layer + site.index(), slot * ne + x, p);
+                    }
                 }
             }
         }
-        let l = self.dims.num_layers;
         if let Some(buf) = self.embed.as_mut() {
-            fill(buf, embed_entry(l), 0);
+            let p = dense(buf, 0);
+            fill(buf, table, embed_entry(l), slot, p);
         }
         if let Some(buf) = self.lm_head.as_mut() {
-            fill(buf, lm_head_entry(l), 0);
+            let p = dense(buf, 0);
+            fill(buf, table, lm_head_entry(l), slot, p);
         }
         self.device.lora_sync_table(&mut self.table);
+        self.device.lora_sync_table(&mut self.expert_table);
         self.owner[slot] = Some(key);
         self.pinned[slot] = false;
         self.tracker.inserted(slot);

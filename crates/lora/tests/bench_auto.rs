@@ -14,7 +14,7 @@ use quiver_lora::{EvictionPolicy, LinearSite, LoraModelDims, LoraModule, SiteRef
 #[test]
 #[ignore]
 fn bench_segmented_vs_chunked() {
-    let dims = LoraModelDims { num_layers: 1, hidden: 2048, q_out: 2048, kv_out: 512, intermediate: 8192, vocab: 32000 };
+    let dims = LoraModelDims { num_layers: 1, hidden: 2048, q_out: 2048, kv_out: 512, intermediate: 8192, vocab: 32000, moe: None };
     let dev = std::sync::Arc::new(CpuDevice::new());
     let pool = LoraMemoryPool::new(dev.clone(), dims, 4, 16, &LoraModule::PROJECTIONS, EvictionPolicy::Lru).unwrap();
     // Ranks and scalings are normally set by loading; a table of our own marks all 4 slots full.

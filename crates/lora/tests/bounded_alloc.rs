@@ -46,7 +46,7 @@ const MB: usize = 1 << 20;
 
 #[test]
 fn huge_sparse_files_are_refused_before_allocating() {
-    let dims = LoraModelDims { num_layers: 1, hidden: 1024, q_out: 1024, kv_out: 256, intermediate: 2048, vocab: 1000 };
+    let dims = LoraModelDims { num_layers: 1, hidden: 1024, q_out: 1024, kv_out: 256, intermediate: 2048, vocab: 1000, moe: None };
     let dir = temp_dir("sparse");
     let w = dir.join("adapter_model.safetensors");
     let (an, bn) = tensor_names(LoraModule::QProj, 0);

@@ -31,7 +31,7 @@ fn bf16_value(rng: &mut StdRng) -> f32 {
 }
 
 /// Widths that are multiples of 8 (the kernels' 16-byte paths), unequal q / kv slices.
-const WIDE: LoraModelDims = LoraModelDims { num_layers: 2, hidden: 256, q_out: 256, kv_out: 64, intermediate: 704, vocab: 1000 };
+const WIDE: LoraModelDims = LoraModelDims { num_layers: 2, hidden: 256, q_out: 256, kv_out: 64, intermediate: 704, vocab: 1000, moe: None };
 
 fn cuda() -> Arc<dyn Device> {
     Arc::new(CudaDevice::new(0).unwrap_or_else(|e| panic!("opening cuda:0: {e:#}")))
@@ -332,4 +332,20 @@ fn cuda_graph_replay_follows_the_adapter_mix() {
         eprintln!("graph replay mix {n}: relative error {rel:.2e}");
         assert!(rel <= TOL, "seed {seed}: replay with mix {n}: relative error {rel:.3e}");
     }
+}
+
+/// LoRA on MoE experts has no CUDA path yet (the routing stays on the GPU): a pool asked for
+/// expert sites on CUDA is refused, saying so, instead of failing mid-step.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn expert_lora_pool_on_cuda_is_refused_saying_why() {
+    let moe = quiver_lora::MoeLoraDims { num_experts: 8, expert_intermediate: 64, shared_intermediate: 0, mixtral_names: false, moe_layers: u128::MAX };
+    let dims = LoraModelDims { moe: Some(moe), ..WIDE };
+    let cfg = LoraConfig { max_loras_per_batch: 2, max_lora_rank: 8, target_modules: LoraModule::MOE[..3].to_vec(), ..Default::default() };
+    let err = match LoraManager::new(dims, cfg, cuda()) {
+        Ok(_) => panic!("expert LoRA pool allocated on CUDA"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("experts") && err.contains("CUDA"), "{err}");
+    println!("expert LoRA on CUDA refused: {err}");
 }

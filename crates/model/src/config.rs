@@ -5,13 +5,50 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::path::Path;
 
-/// The Llama-family variants Quiver runs. They differ only in details the forward pass reads
-/// from [`ModelConfig`] (biases, rope, tying), so the same code runs all three.
+/// The decoder families Quiver runs. They differ only in details the forward pass reads from
+/// [`ModelConfig`] (biases, rope, tying, q/k norms, mixture-of-experts MLPs), so one forward
+/// pass runs them all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
     Llama,
     Qwen2,
     Mistral,
+    /// Per-head RMSNorm on q and k before RoPE, no q/k/v bias.
+    Qwen3,
+    /// Top-2 of 8 experts, probabilities renormalised over the two.
+    Mixtral,
+    /// q/k/v bias; experts plus a sigmoid-gated shared expert.
+    Qwen2Moe,
+    /// Qwen3's attention with expert MLPs (`norm_topk_prob`).
+    Qwen3Moe,
+    /// RMSNorm over the whole q and k projections; experts.
+    Olmoe,
+}
+
+/// How q and k are normalised before RoPE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNormKind {
+    /// Every head on its own, one `[head_dim]` weight each for q and k (Qwen3).
+    PerHead,
+    /// The whole q projection and the whole k projection (OLMoE).
+    Whole,
+}
+
+/// The mixture-of-experts MLP of the layers that have one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Intermediate width of one expert.
+    pub expert_intermediate: usize,
+    /// Renormalise the top-k probabilities to sum to one (Mixtral always; Qwen's `norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// Intermediate width of Qwen2-MoE's sigmoid-gated shared expert.
+    pub shared_expert_intermediate: Option<usize>,
+    /// Layers whose MLP is dense (`intermediate_size`) instead: Qwen's `mlp_only_layers` and
+    /// `decoder_sparse_step`.
+    pub dense_layers: Vec<usize>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -41,6 +78,13 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry biases (Qwen2).
     pub qkv_bias: bool,
+    /// RMSNorm on q and k before RoPE (Qwen3, OLMoE).
+    pub qk_norm: Option<QkNormKind>,
+    /// Expert MLPs (all layers but `dense_layers`).
+    pub moe: Option<MoeConfig>,
+    /// The checkpoint has an LM head or ties it to the embedding (`…ForCausalLM`); false for a
+    /// bare decoder (`Qwen3Model`: an embedding model), which serves embeddings only.
+    pub has_lm_head: bool,
 }
 
 impl ModelConfig {
@@ -62,13 +106,28 @@ impl ModelConfig {
     pub fn from_hf_json(v: &Value) -> Result<ModelConfig> {
         let archs: Vec<&str> = v["architectures"].as_array().map(|a| a.iter().filter_map(|x| x.as_str()).collect()).unwrap_or_default();
         let model_type = v["model_type"].as_str().unwrap_or("");
-        let arch = match (archs.first().copied(), model_type) {
-            (Some("LlamaForCausalLM"), _) | (None, "llama") => Arch::Llama,
-            (Some("Qwen2ForCausalLM"), _) | (None, "qwen2") => Arch::Qwen2,
-            (Some("MistralForCausalLM"), _) | (None, "mistral") => Arch::Mistral,
-            (Some(other), _) => bail!("unsupported architecture `{other}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)"),
+        // `…Model` (no head) is how a bare decoder saved for embeddings names itself.
+        let (arch, has_lm_head) = match (archs.first().copied(), model_type) {
+            (Some("LlamaForCausalLM"), _) | (None, "llama") => (Arch::Llama, true),
+            (Some("Qwen2ForCausalLM"), _) | (None, "qwen2") => (Arch::Qwen2, true),
+            (Some("MistralForCausalLM"), _) | (None, "mistral") => (Arch::Mistral, true),
+            (Some("Qwen3ForCausalLM"), _) | (None, "qwen3") => (Arch::Qwen3, true),
+            (Some("MixtralForCausalLM"), _) | (None, "mixtral") => (Arch::Mixtral, true),
+            (Some("Qwen2MoeForCausalLM"), _) | (None, "qwen2_moe") => (Arch::Qwen2Moe, true),
+            (Some("Qwen3MoeForCausalLM"), _) | (None, "qwen3_moe") => (Arch::Qwen3Moe, true),
+            (Some("OlmoeForCausalLM"), _) | (None, "olmoe") => (Arch::Olmoe, true),
+            (Some("LlamaModel"), _) => (Arch::Llama, false),
+            (Some("Qwen2Model"), _) => (Arch::Qwen2, false),
+            (Some("Qwen3Model"), _) => (Arch::Qwen3, false),
+            (Some(other), _) => bail!("unsupported architecture `{other}` (supported: {})", SUPPORTED_HF.join(", ")),
             (None, other) => bail!("unsupported model_type `{other}` and no `architectures` field"),
         };
+        if v["layer_types"].as_array().is_some_and(|t| t.iter().any(|x| x.as_str() == Some("sliding_attention"))) {
+            bail!("sliding-window attention layers (`layer_types`) are not supported");
+        }
+        if !v["clip_qkv"].is_null() {
+            bail!("`clip_qkv` is not supported");
+        }
         let req = |k: &str| -> Result<usize> { v[k].as_u64().map(|x| x as usize).with_context(|| format!("missing or non-integer field `{k}`")) };
         let hidden = req("hidden_size")?;
         let num_heads = req("num_attention_heads")?;
@@ -111,8 +170,16 @@ impl ModelConfig {
             tie_word_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
             qkv_bias: match arch {
                 Arch::Qwen2 => true,
+                Arch::Qwen2Moe => v["qkv_bias"].as_bool().unwrap_or(true),
                 _ => v["attention_bias"].as_bool().unwrap_or(false),
             },
+            qk_norm: match arch {
+                Arch::Qwen3 | Arch::Qwen3Moe => Some(QkNormKind::PerHead),
+                Arch::Olmoe => Some(QkNormKind::Whole),
+                _ => None,
+            },
+            moe: hf_moe(v, arch)?,
+            has_lm_head,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -121,14 +188,21 @@ impl ModelConfig {
     /// Reads `general.architecture` and the `{arch}.*` keys of a GGUF file.
     pub fn from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         let arch_name = g.metadata("general.architecture").and_then(|v| v.as_str()).context("missing `general.architecture`")?.to_string();
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let int = |k: &str| g.metadata(&key(k)).and_then(|v| v.as_u64()).map(|x| x as usize);
+        let req = |k: &str| -> Result<usize> { int(k).with_context(|| format!("missing metadata `{}`", key(k))) };
         let arch = match arch_name.as_str() {
+            // llama.cpp writes Mixtral as `llama` with experts.
+            "llama" if int("expert_count").unwrap_or(0) > 0 => Arch::Mixtral,
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "mistral" => Arch::Mistral,
-            other => bail!("unsupported GGUF architecture `{other}` (supported: llama, qwen2, mistral)"),
+            "qwen3" => Arch::Qwen3,
+            "qwen2moe" => Arch::Qwen2Moe,
+            "qwen3moe" => Arch::Qwen3Moe,
+            "olmoe" => Arch::Olmoe,
+            other => bail!("unsupported GGUF architecture `{other}` (supported: llama, qwen2, mistral, qwen3, qwen2moe, qwen3moe, olmoe)"),
         };
-        let key = |k: &str| format!("{arch_name}.{k}");
-        let req = |k: &str| -> Result<usize> { g.metadata(&key(k)).and_then(|v| v.as_u64()).map(|x| x as usize).with_context(|| format!("missing metadata `{}`", key(k))) };
         let hidden = req("embedding_length")?;
         let num_heads = req("attention.head_count")?;
         let num_kv_heads = g.metadata(&key("attention.head_count_kv")).and_then(|v| v.as_u64()).map(|x| x as usize).unwrap_or(num_heads);
@@ -148,7 +222,8 @@ impl ModelConfig {
             arch,
             vocab_size,
             hidden_size: hidden,
-            intermediate_size: req("feed_forward_length")?,
+            // Mixtral GGUFs give the expert width here; a Qwen MoE its dense layers' width.
+            intermediate_size: int("feed_forward_length").or(int("expert_feed_forward_length")).with_context(|| format!("missing metadata `{}`", key("feed_forward_length")))?,
             num_layers: req("block_count")?,
             num_heads,
             num_kv_heads,
@@ -159,12 +234,32 @@ impl ModelConfig {
             max_position_embeddings: g.metadata(&key("context_length")).and_then(|v| v.as_u64()).unwrap_or(4096) as usize,
             tie_word_embeddings: g.tensor_info("output.weight").is_none(),
             qkv_bias: g.tensor_info("blk.0.attn_q.bias").is_some(),
+            qk_norm: match arch {
+                Arch::Qwen3 | Arch::Qwen3Moe => Some(QkNormKind::PerHead),
+                Arch::Olmoe => Some(QkNormKind::Whole),
+                _ => None,
+            },
+            moe: gguf_moe(g, &arch_name, arch)?,
+            has_lm_head: true,
         };
         cfg.validate()?;
         Ok(cfg)
     }
 
+    /// Whether layer `l` has an expert MLP.
+    pub fn is_moe_layer(&self, l: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| !m.dense_layers.contains(&l))
+    }
+
     fn validate(&self) -> Result<()> {
+        if let Some(m) = &self.moe {
+            if m.num_experts == 0 || m.num_experts > quiver_kernels::moe::MAX_EXPERTS || m.top_k == 0 || m.top_k > m.num_experts {
+                bail!("{} experts with {} per token: need 1 ≤ experts per token ≤ experts ≤ {}", m.num_experts, m.top_k, quiver_kernels::moe::MAX_EXPERTS);
+            }
+            if m.expert_intermediate == 0 || m.shared_expert_intermediate == Some(0) {
+                bail!("expert intermediate sizes must be positive");
+            }
+        }
         if self.num_heads == 0 || self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             bail!("num_attention_heads {} must be a positive multiple of num_key_value_heads {}", self.num_heads, self.num_kv_heads);
         }
@@ -212,6 +307,84 @@ impl ModelConfig {
         }
         inv
     }
+}
+
+
+const SUPPORTED_HF: [&str; 11] = [
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "LlamaModel",
+    "Qwen2Model",
+    "Qwen3Model",
+];
+
+/// The expert settings of an HF `config.json`, in each family's spelling.
+fn hf_moe(v: &Value, arch: Arch) -> Result<Option<MoeConfig>> {
+    let int = |k: &str| v[k].as_u64().map(|x| x as usize);
+    let req = |k: &str| int(k).with_context(|| format!("missing or non-integer field `{k}`"));
+    let top_k = || req("num_experts_per_tok");
+    Ok(Some(match arch {
+        Arch::Mixtral => MoeConfig {
+            num_experts: req("num_local_experts")?,
+            top_k: top_k()?,
+            expert_intermediate: req("intermediate_size")?,
+            norm_topk_prob: true,
+            shared_expert_intermediate: None,
+            dense_layers: Vec::new(),
+        },
+        Arch::Olmoe => MoeConfig {
+            num_experts: req("num_experts")?,
+            top_k: top_k()?,
+            expert_intermediate: req("intermediate_size")?,
+            norm_topk_prob: v["norm_topk_prob"].as_bool().unwrap_or(false),
+            shared_expert_intermediate: None,
+            dense_layers: Vec::new(),
+        },
+        Arch::Qwen2Moe | Arch::Qwen3Moe => {
+            let layers = req("num_hidden_layers")?;
+            let step = int("decoder_sparse_step").unwrap_or(1).max(1);
+            let only: Vec<usize> = v["mlp_only_layers"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as usize).collect()).unwrap_or_default();
+            let num_experts = req("num_experts")?;
+            MoeConfig {
+                num_experts,
+                top_k: top_k()?,
+                expert_intermediate: req("moe_intermediate_size")?,
+                norm_topk_prob: v["norm_topk_prob"].as_bool().unwrap_or(false),
+                shared_expert_intermediate: if arch == Arch::Qwen2Moe { Some(req("shared_expert_intermediate_size")?) } else { None },
+                dense_layers: (0..layers).filter(|l| only.contains(l) || num_experts == 0 || !(l + 1).is_multiple_of(step)).collect(),
+            }
+        }
+        _ => return Ok(None),
+    }))
+}
+
+/// The expert settings of a GGUF (llama.cpp's keys). Which layers have experts is read from the
+/// tensors (`ffn_gate_inp` present) when the weights are loaded; here every layer does.
+fn gguf_moe(g: &GgufFile, arch_name: &str, arch: Arch) -> Result<Option<MoeConfig>> {
+    if !matches!(arch, Arch::Mixtral | Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe) {
+        return Ok(None);
+    }
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let int = |k: &str| g.metadata(&key(k)).and_then(|v| v.as_u64()).map(|x| x as usize);
+    let req = |k: &str| int(k).with_context(|| format!("missing metadata `{}`", key(k)));
+    // llama.cpp renormalises for Mixtral and Qwen3-MoE and not for Qwen2-MoE or OLMoE, unless
+    // the file says otherwise.
+    let norm = g.metadata(&key("expert_weights_norm")).and_then(|v| v.as_bool()).unwrap_or(matches!(arch, Arch::Mixtral | Arch::Qwen3Moe));
+    let dense_layers = (0..req("block_count")?).filter(|l| g.tensor_info(&format!("blk.{l}.ffn_gate_inp.weight")).is_none()).collect();
+    Ok(Some(MoeConfig {
+        num_experts: req("expert_count")?,
+        top_k: req("expert_used_count")?,
+        expert_intermediate: int("expert_feed_forward_length").or(int("feed_forward_length")).with_context(|| format!("missing metadata `{}`", key("expert_feed_forward_length")))?,
+        norm_topk_prob: norm,
+        shared_expert_intermediate: if arch == Arch::Qwen2Moe { Some(req("expert_shared_feed_forward_length")?) } else { None },
+        dense_layers,
+    }))
 }
 
 #[cfg(test)]

@@ -1,13 +1,16 @@
-//! The Llama-family forward pass (Llama 2/3, SmolLM2, Qwen2, Mistral), batched over sequences of
-//! different lengths: one call runs prefill chunks and decode rows together, reading and writing
-//! the paged KV cache through per-sequence block tables.
+//! The decoder forward pass of every family Quiver runs (Llama 2/3, SmolLM2, Qwen2, Mistral,
+//! Qwen3, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), batched over
+//! sequences of different lengths: one call runs prefill chunks and decode rows together,
+//! reading and writing the paged KV cache through per-sequence block tables.
 //!
-//! q/k/v and gate/up are fused into single weights at load, so each layer runs four GEMMs; the
-//! LoRA hook sees the same four sites (qkv and gate_up as multi-slice expands).
+//! q/k/v and gate/up are fused into single weights at load, so a dense layer runs four GEMMs;
+//! the LoRA hook sees the same four sites (qkv and gate_up as multi-slice expands). An MoE
+//! layer's MLP is `moe::forward`.
 
 use crate::batch::ForwardBatch;
 use crate::config::ModelConfig;
-use quiver_kernels::{AttnBatch, Device, KvLayout, KvStorage, RopeTable, Tensor, Weight};
+use crate::moe::{self, Mlp, MoeWorkspace};
+use quiver_kernels::{AttnBatch, Device, KvLayout, KvStorage, QkNorm, RopeTable, Tensor, Weight};
 use quiver_lora::{LinearSite, LoraHook, LoraModelDims};
 use std::sync::Arc;
 
@@ -16,11 +19,11 @@ pub struct LayerWeights {
     /// `[q_out + 2·kv_out, hidden]`
     pub qkv: Weight,
     pub qkv_bias: Option<Tensor>,
+    /// RMSNorm of q and k before RoPE (Qwen3, OLMoE).
+    pub qk_norm: Option<QkNorm>,
     pub o: Weight,
     pub mlp_norm: Tensor,
-    /// `[2·intermediate, hidden]`, gate rows first.
-    pub gate_up: Weight,
-    pub down: Weight,
+    pub mlp: Mlp,
 }
 
 pub struct LlamaModel {
@@ -38,6 +41,8 @@ pub struct LlamaModel {
 /// shrink) when a larger batch arrives, so a steady-state step allocates nothing.
 pub struct Workspace {
     max_tokens: usize,
+    /// Rows of final-normed hidden states, and of logits, the buffers hold.
+    max_out_rows: usize,
     max_logit_rows: usize,
     x: Tensor,
     xn: Tensor,
@@ -49,14 +54,34 @@ pub struct Workspace {
     last: Tensor,
     last_n: Tensor,
     logits: Tensor,
+    /// Buffers of the expert MLPs (MoE models only).
+    moe: Option<MoeWorkspace>,
     /// Host copy of the logits of the requested rows, `[rows, vocab]`.
     pub host_logits: Vec<f32>,
+    /// Host copy of the final-normed hidden states of the requested rows, `[rows, hidden]`
+    /// ([`LlamaModel::forward_hidden`]).
+    pub host_hidden: Vec<f32>,
+}
+
+/// What a forward pass returns for its `logits_rows`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Head {
+    Logits,
+    /// The final-normed hidden states (what embedding models pool).
+    Hidden,
 }
 
 impl LlamaModel {
     pub fn lora_dims(&self) -> LoraModelDims {
         let c = &self.config;
-        LoraModelDims { num_layers: c.num_layers, hidden: c.hidden_size, q_out: c.q_out(), kv_out: c.kv_out(), intermediate: c.intermediate_size, vocab: c.vocab_size }
+        let moe = c.moe.as_ref().map(|m| quiver_lora::MoeLoraDims {
+            num_experts: m.num_experts,
+            expert_intermediate: m.expert_intermediate,
+            shared_intermediate: m.shared_expert_intermediate.unwrap_or(0),
+            mixtral_names: c.arch == crate::config::Arch::Mixtral,
+            moe_layers: (0..c.num_layers.min(128)).filter(|&l| c.is_moe_layer(l)).fold(0u128, |b, l| b | 1 << l),
+        });
+        LoraModelDims { num_layers: c.num_layers, hidden: c.hidden_size, q_out: c.q_out(), kv_out: c.kv_out(), intermediate: c.intermediate_size, vocab: c.vocab_size, moe }
     }
 
     pub fn build_rope(config: &ModelConfig, device: &dyn Device) -> RopeTable {
@@ -88,8 +113,19 @@ impl LlamaModel {
     }
 
     pub fn new_workspace(&self, max_tokens: usize, max_logit_rows: usize) -> Workspace {
+        self.workspace_for(max_tokens, max_logit_rows, Head::Logits)
+    }
+
+    /// A workspace for [`Self::forward_hidden`] only: no logits buffers (an embedding model's
+    /// steps return hidden states of many rows, whose logits would be vocab-wide).
+    pub fn new_hidden_workspace(&self, max_tokens: usize, max_rows: usize) -> Workspace {
+        self.workspace_for(max_tokens, max_rows, Head::Hidden)
+    }
+
+    fn workspace_for(&self, max_tokens: usize, max_rows: usize, head: Head) -> Workspace {
         let mut ws = Workspace {
             max_tokens: 0,
+            max_out_rows: 0,
             max_logit_rows: 0,
             x: self.device.alloc(0),
             xn: self.device.alloc(0),
@@ -101,13 +137,15 @@ impl LlamaModel {
             last: self.device.alloc(0),
             last_n: self.device.alloc(0),
             logits: self.device.alloc(0),
+            moe: None,
             host_logits: Vec::new(),
+            host_hidden: Vec::new(),
         };
-        self.ensure_workspace(&mut ws, max_tokens, max_logit_rows);
+        self.ensure_workspace(&mut ws, max_tokens, max_rows, head);
         ws
     }
 
-    fn ensure_workspace(&self, ws: &mut Workspace, tokens: usize, logit_rows: usize) {
+    fn ensure_workspace(&self, ws: &mut Workspace, tokens: usize, out_rows: usize, head: Head) {
         let c = &self.config;
         let d = &self.device;
         if tokens > ws.max_tokens {
@@ -120,12 +158,18 @@ impl LlamaModel {
             ws.delta = d.alloc(t * c.hidden_size);
             ws.gate_up = d.alloc(t * 2 * c.intermediate_size);
             ws.act = d.alloc(t * c.intermediate_size);
+            ws.moe = c.moe.as_ref().map(|mc| MoeWorkspace::new(&**d, mc, c.hidden_size, t));
             ws.max_tokens = t;
         }
-        if logit_rows > ws.max_logit_rows {
-            let r = logit_rows.next_power_of_two().max(4);
+        if out_rows > ws.max_out_rows {
+            let r = out_rows.next_power_of_two().max(4);
             ws.last = d.alloc(r * c.hidden_size);
             ws.last_n = d.alloc(r * c.hidden_size);
+            ws.host_hidden = vec![0.0; r * c.hidden_size];
+            ws.max_out_rows = r;
+        }
+        if head == Head::Logits && out_rows > ws.max_logit_rows {
+            let r = out_rows.next_power_of_two().max(4);
             ws.logits = d.alloc(r * c.vocab_size);
             ws.host_logits = vec![0.0; r * c.vocab_size];
             ws.max_logit_rows = r;
@@ -157,11 +201,28 @@ impl LlamaModel {
     /// Runs one batched step, leaving the logits of `batch.logits_rows` on the device in
     /// `ws.logits` (`[rows, vocab]`): for sampling there, or [`Self::logits_to_host`].
     pub fn forward_on_device(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &mut Workspace, lora: &dyn LoraHook) {
+        assert!(self.config.has_lm_head, "forward for logits on a model without an LM head (an embedding model)");
+        self.run(batch, kv, ws, lora, Head::Logits)
+    }
+
+    /// Runs one batched step like [`Self::forward`] but returns the final-normed hidden states of
+    /// `batch.logits_rows`, `[rows, hidden]` (in `ws.host_hidden`), skipping the LM head.
+    pub fn forward_hidden<'w>(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &'w mut Workspace, lora: &dyn LoraHook) -> &'w [f32] {
+        self.run(batch, kv, ws, lora, Head::Hidden);
+        let n = batch.logits_rows.len() * self.config.hidden_size;
+        if n == 0 {
+            return &ws.host_hidden[..0];
+        }
+        self.device.to_host(&ws.last_n, n, &mut ws.host_hidden[..n]);
+        &ws.host_hidden[..n]
+    }
+
+    fn run(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &mut Workspace, lora: &dyn LoraHook, head_kind: Head) {
         let c = &self.config;
         let d = &*self.device;
         let m = batch.tokens.len();
         let nl = batch.logits_rows.len();
-        self.ensure_workspace(ws, m, nl);
+        self.ensure_workspace(ws, m, nl, head_kind);
         let (h, inter) = (c.hidden_size, c.intermediate_size);
         let lora_on = lora.is_active();
         let attn_batch = AttnBatch {
@@ -174,9 +235,11 @@ impl LlamaModel {
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         d.stage_batch(&batch.tokens, &attn_batch, &batch.logits_rows, &lora.staged());
 
-        // Launches depend only on the batch's layout (and on whether LoRA kernels run), so equal
-        // layouts may replay a recording (CUDA graphs): which adapters the rows use is data.
-        let shape = Some(batch.shape_key() ^ lora.shape_key());
+        // Launches depend only on the batch's layout (and on whether LoRA kernels run, and on the
+        // head), so equal layouts may replay a recording (CUDA graphs): which adapters the rows
+        // use is data.
+        let head_key = if head_kind == Head::Hidden { 0x9E37_79B9_7F4A_7C15 } else { 0 };
+        let shape = Some(batch.shape_key() ^ lora.shape_key() ^ head_key);
         d.run_step(m, shape, &mut || {
             d.embedding(&self.embed, &batch.tokens, &mut ws.x);
             if lora_on {
@@ -190,9 +253,14 @@ impl LlamaModel {
                 }
                 // A LoRA delta lands between a projection and what follows it; without one the
                 // device may fuse the two.
-                if lora_on {
+                if lora_on || l.qk_norm.is_some() {
                     d.matmul(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), &mut ws.qkv);
-                    lora.linear(d, li, LinearSite::Qkv, &ws.xn, m, &mut ws.qkv);
+                    if lora_on {
+                        lora.linear(d, li, LinearSite::Qkv, &ws.xn, m, &mut ws.qkv);
+                    }
+                    if let Some(norm) = &l.qk_norm {
+                        d.qk_norm(&mut ws.qkv, m, c.num_heads, c.num_kv_heads, c.head_dim, norm);
+                    }
                     d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
                 } else {
                     d.matmul_rope_qk(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), &mut ws.qkv, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
@@ -203,14 +271,24 @@ impl LlamaModel {
                     lora.linear(d, li, LinearSite::O, &ws.attn, m, &mut ws.delta);
                 }
                 d.add_rms_norm(&mut ws.x, &ws.delta, &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
+                let (gate_up, down) = match &l.mlp {
+                    Mlp::Dense { gate_up, down } => (gate_up, down),
+                    Mlp::Moe(w) => {
+                        let mc = c.moe.as_ref().expect("an MoE layer in a model with an MoE config");
+                        let mws = ws.moe.as_mut().expect("MoE buffers in the workspace of an MoE model");
+                        let lora = if lora_on { Some((lora, li)) } else { None };
+                        moe::forward(d, w, mc, &ws.xn, m, h, mws, &mut ws.delta, lora);
+                        continue;
+                    }
+                };
                 if lora_on {
-                    d.matmul(&ws.xn, m, &l.gate_up, None, &mut ws.gate_up);
+                    d.matmul(&ws.xn, m, gate_up, None, &mut ws.gate_up);
                     lora.linear(d, li, LinearSite::GateUp, &ws.xn, m, &mut ws.gate_up);
                     d.silu_mul(&ws.gate_up, m, inter, &mut ws.act);
                 } else {
-                    d.matmul_silu_mul(&ws.xn, m, &l.gate_up, &mut ws.gate_up, &mut ws.act);
+                    d.matmul_silu_mul(&ws.xn, m, gate_up, &mut ws.gate_up, &mut ws.act);
                 }
-                d.matmul(&ws.act, m, &l.down, None, &mut ws.delta);
+                d.matmul(&ws.act, m, down, None, &mut ws.delta);
                 if lora_on {
                     lora.linear(d, li, LinearSite::Down, &ws.act, m, &mut ws.delta);
                 }
@@ -222,6 +300,9 @@ impl LlamaModel {
             // Only the rows that need logits go through the final norm and the LM head.
             d.gather_rows(&ws.x, &batch.logits_rows, h, &mut ws.last);
             d.rms_norm(&ws.last, &self.final_norm, c.rms_norm_eps, nl, h, &mut ws.last_n);
+            if head_kind == Head::Hidden {
+                return;
+            }
             let head = self.lm_head.as_ref().unwrap_or(&self.embed);
             d.matmul(&ws.last_n, nl, head, None, &mut ws.logits);
             if lora_on {

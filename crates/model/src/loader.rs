@@ -1,14 +1,16 @@
 //! Turns a GGUF file or an HF directory into a [`LlamaModel`] on a device: maps tensor names,
-//! checks every shape against the config, fuses q/k/v and gate/up, converts to the chosen dtype.
+//! checks every shape against the config, fuses q/k/v and gate/up (per expert too), converts
+//! to the chosen dtype. Every missing or misshapen tensor is an error naming file and tensor.
 
-use crate::config::{Arch, ModelConfig, RopeScaling};
+use crate::config::{Arch, ModelConfig, QkNormKind, RopeScaling};
 use crate::formats::gguf::GgufFile;
 use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::{FormatError, WeightSource};
 use crate::llama::{LayerWeights, LlamaModel};
+use crate::moe::{Mlp, MoeWeights, SharedExpert};
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
-use quiver_kernels::{DType, Device, Weight};
+use quiver_kernels::{DType, Device, QkNorm, Weight};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -21,40 +23,51 @@ pub struct LoadedModel {
 
 /// Weight names differ by container; everything else is shared.
 enum Names {
-    Hf,
+    /// `prefix` is `model.` in a `…ForCausalLM` checkpoint, empty in a bare decoder's.
+    Hf { prefix: &'static str, arch: Arch },
     Gguf,
 }
 
 impl Names {
-    fn embed(&self) -> &'static str {
+    fn hf(src: &dyn WeightSource, arch: Arch) -> Names {
+        let prefix = if !src.contains("model.embed_tokens.weight") && src.contains("embed_tokens.weight") { "" } else { "model." };
+        Names::Hf { prefix, arch }
+    }
+    fn embed(&self) -> String {
         match self {
-            Names::Hf => "model.embed_tokens.weight",
-            Names::Gguf => "token_embd.weight",
+            Names::Hf { prefix, .. } => format!("{prefix}embed_tokens.weight"),
+            Names::Gguf => "token_embd.weight".into(),
         }
     }
-    fn final_norm(&self) -> &'static str {
+    fn final_norm(&self) -> String {
         match self {
-            Names::Hf => "model.norm.weight",
-            Names::Gguf => "output_norm.weight",
+            Names::Hf { prefix, .. } => format!("{prefix}norm.weight"),
+            Names::Gguf => "output_norm.weight".into(),
         }
     }
     fn lm_head(&self) -> &'static str {
         match self {
-            Names::Hf => "lm_head.weight",
+            Names::Hf { .. } => "lm_head.weight",
             Names::Gguf => "output.weight",
         }
     }
-    /// `part` is one of q,k,v,o,gate,up,down,attn_norm,mlp_norm; `suffix` weight or bias.
+    /// `part` is one of q,k,v,o,q_norm,k_norm,gate,up,down,attn_norm,mlp_norm, or of an expert
+    /// layer router, shared_gate, shared_{gate,up,down}; `suffix` weight or bias.
     fn layer(&self, i: usize, part: &str, suffix: &str) -> String {
         match self {
-            Names::Hf => {
+            Names::Hf { prefix, arch } => {
+                let moe = if *arch == Arch::Mixtral { "block_sparse_moe" } else { "mlp" };
                 let m = match part {
                     "q" | "k" | "v" | "o" => format!("self_attn.{part}_proj"),
+                    "q_norm" | "k_norm" => format!("self_attn.{part}"),
                     "gate" | "up" | "down" => format!("mlp.{part}_proj"),
                     "attn_norm" => "input_layernorm".into(),
+                    "router" => format!("{moe}.gate"),
+                    "shared_gate" => "mlp.shared_expert_gate".into(),
+                    "shared_gate_proj" | "shared_up_proj" | "shared_down_proj" => format!("mlp.shared_expert.{}", &part["shared_".len()..]),
                     _ => "post_attention_layernorm".into(),
                 };
-                format!("model.layers.{i}.{m}.{suffix}")
+                format!("{prefix}layers.{i}.{m}.{suffix}")
             }
             Names::Gguf => {
                 let m = match part {
@@ -62,14 +75,37 @@ impl Names {
                     "k" => "attn_k",
                     "v" => "attn_v",
                     "o" => "attn_output",
+                    "q_norm" => "attn_q_norm",
+                    "k_norm" => "attn_k_norm",
                     "gate" => "ffn_gate",
                     "up" => "ffn_up",
                     "down" => "ffn_down",
                     "attn_norm" => "attn_norm",
+                    "router" => "ffn_gate_inp",
+                    "shared_gate" => "ffn_gate_inp_shexp",
+                    "shared_gate_proj" => "ffn_gate_shexp",
+                    "shared_up_proj" => "ffn_up_shexp",
+                    "shared_down_proj" => "ffn_down_shexp",
                     _ => "ffn_norm",
                 };
                 format!("blk.{i}.{m}.{suffix}")
             }
+        }
+    }
+    /// HF: expert `e`'s projection (`gate`, `up`, `down`). GGUF stacks all experts in one
+    /// `[E, out, in]` tensor per projection, named here for any `e`.
+    fn expert(&self, i: usize, e: usize, part: &str) -> String {
+        match self {
+            Names::Hf { prefix, arch: Arch::Mixtral } => {
+                let w = match part {
+                    "gate" => "w1",
+                    "down" => "w2",
+                    _ => "w3",
+                };
+                format!("{prefix}layers.{i}.block_sparse_moe.experts.{e}.{w}.weight")
+            }
+            Names::Hf { prefix, .. } => format!("{prefix}layers.{i}.mlp.experts.{e}.{part}_proj.weight"),
+            Names::Gguf => format!("blk.{i}.ffn_{part}_exps.weight"),
         }
     }
 }
@@ -107,7 +143,8 @@ pub fn load_model(path: &Path, device: Arc<dyn Device>, dtype: DType) -> Result<
         let config = ModelConfig::from_hf_dir(path)?;
         let weights = SafetensorsWeights::open(path)?;
         let tokenizer = Tokenizer::from_hf_dir(path)?;
-        let model = build(&weights, Names::Hf, config, device, dtype, false)?;
+        let names = Names::hf(&weights, config.arch);
+        let model = build(&weights, names, config, device, dtype, false)?;
         Ok(LoadedModel { model, tokenizer, path: path.to_path_buf() })
     } else {
         let gguf = GgufFile::open(path)?;
@@ -117,7 +154,8 @@ pub fn load_model(path: &Path, device: Arc<dyn Device>, dtype: DType) -> Result<
             config.rope_scaling = Some(RopeScaling::Factors(f));
         }
         let tokenizer = Tokenizer::from_gguf(&gguf).with_context(|| format!("{}: tokenizer", path.display()))?;
-        let permuted = config.arch == Arch::Llama || config.arch == Arch::Mistral;
+        // llama.cpp permutes q/k rows for the archs it runs with adjacent-pair RoPE.
+        let permuted = matches!(config.arch, Arch::Llama | Arch::Mistral | Arch::Mixtral);
         let model = build(&gguf, Names::Gguf, config, device, dtype, permuted)?;
         Ok(LoadedModel { model, tokenizer, path: path.to_path_buf() })
     }
@@ -128,7 +166,7 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
     device.check_head_dim(c.head_dim).map_err(|e| anyhow::anyhow!("{}: {e}", src.path().display()))?;
     let (h, q, kv, inter) = (c.hidden_size, c.q_out(), c.kv_out(), c.intermediate_size);
     let wt = |rows: usize, cols: usize, data: Vec<f32>| device.load_weight(Weight::from_f32(rows, cols, data, dtype));
-    let embed = wt(c.vocab_size, h, load(src, names.embed(), &[c.vocab_size, h])?);
+    let embed = wt(c.vocab_size, h, load(src, &names.embed(), &[c.vocab_size, h])?);
     let mut layers = Vec::with_capacity(c.num_layers);
     for i in 0..c.num_layers {
         let l = |part: &str, shape: &[usize]| load(src, &names.layer(i, part, "weight"), shape);
@@ -156,26 +194,101 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
         } else {
             None
         };
-        let mut gate_up = l("gate", &[inter, h])?;
-        gate_up.extend(l("up", &[inter, h])?);
+        let qk_norm = match c.qk_norm {
+            None => None,
+            Some(kind) => {
+                let (qg, kg) = match kind {
+                    QkNormKind::PerHead => (c.head_dim, c.head_dim),
+                    QkNormKind::Whole => (q, kv),
+                };
+                Some(QkNorm { q: device.tensor_from(&l("q_norm", &[qg])?), k: device.tensor_from(&l("k_norm", &[kg])?), q_group: qg, k_group: kg, eps: c.rms_norm_eps })
+            }
+        };
+        let mlp = if c.is_moe_layer(i) {
+            Mlp::Moe(Box::new(load_experts(src, &names, c, i, &*device, dtype)?))
+        } else {
+            let mut gate_up = l("gate", &[inter, h])?;
+            gate_up.extend(l("up", &[inter, h])?);
+            Mlp::Dense { gate_up: wt(2 * inter, h, gate_up), down: wt(h, inter, l("down", &[h, inter])?) }
+        };
         layers.push(LayerWeights {
             attn_norm: device.tensor_from(&l("attn_norm", &[h])?),
             qkv: wt(q + 2 * kv, h, qkv),
             qkv_bias,
+            qk_norm,
             o: wt(h, q, l("o", &[h, q])?),
             mlp_norm: device.tensor_from(&l("mlp_norm", &[h])?),
-            gate_up: wt(2 * inter, h, gate_up),
-            down: wt(h, inter, l("down", &[h, inter])?),
+            mlp,
         });
     }
-    let final_norm = device.tensor_from(&load(src, names.final_norm(), &[h])?);
-    let lm_head = if src.contains(names.lm_head()) && !(c.tie_word_embeddings && matches!(names, Names::Hf)) {
+    let final_norm = device.tensor_from(&load(src, &names.final_norm(), &[h])?);
+    let hf = matches!(names, Names::Hf { .. });
+    let lm_head = if src.contains(names.lm_head()) && !(c.tie_word_embeddings && hf) {
         Some(wt(c.vocab_size, h, load(src, names.lm_head(), &[c.vocab_size, h])?))
-    } else if c.tie_word_embeddings {
+    } else if c.tie_word_embeddings || !c.has_lm_head {
         None
     } else {
         return Err(FormatError::tensor(src.path(), names.lm_head(), "missing (the config says embeddings are not tied)").into());
     };
     let rope = LlamaModel::build_rope(c, &*device);
     Ok(LlamaModel { config, device, embed, layers, final_norm, lm_head, rope })
+}
+
+/// Layer `i`'s router, experts (fused gate/up per expert) and shared expert. HF checkpoints
+/// hold one tensor per expert and projection; GGUF one `[E, out, in]` stack per projection.
+/// The router and the shared expert's gate stay f32 whatever `dtype` (routing in f32).
+fn load_experts(src: &dyn WeightSource, names: &Names, c: &ModelConfig, i: usize, device: &dyn Device, dtype: DType) -> Result<MoeWeights> {
+    let mc = c.moe.as_ref().expect("an MoE layer in a model with an MoE config");
+    let (h, n_exp, ie) = (c.hidden_size, mc.num_experts, mc.expert_intermediate);
+    let f32w = |rows: usize, cols: usize, data: Vec<f32>| device.load_weight(Weight::from_f32(rows, cols, data, DType::F32));
+    let wt = |rows: usize, cols: usize, data: Vec<f32>| device.load_weight(Weight::from_f32(rows, cols, data, dtype));
+    let router = f32w(n_exp, h, load(src, &names.layer(i, "router", "weight"), &[n_exp, h])?);
+    let mut gate_up = Vec::with_capacity(n_exp);
+    let mut down = Vec::with_capacity(n_exp);
+    match names {
+        Names::Gguf => {
+            let g = load(src, &names.expert(i, 0, "gate"), &[n_exp, ie, h])?;
+            let u = load(src, &names.expert(i, 0, "up"), &[n_exp, ie, h])?;
+            let d = load(src, &names.expert(i, 0, "down"), &[n_exp, h, ie])?;
+            for e in 0..n_exp {
+                let span = ie * h;
+                let mut gu = g[e * span..(e + 1) * span].to_vec();
+                gu.extend_from_slice(&u[e * span..(e + 1) * span]);
+                gate_up.push(gu);
+                down.push(d[e * span..(e + 1) * span].to_vec());
+            }
+        }
+        Names::Hf { .. } => {
+            // One expert past the config's count means the checkpoint has more experts than
+            // the config says: refuse rather than silently serve a subset.
+            let extra = names.expert(i, n_exp, "gate");
+            if src.contains(&extra) {
+                return Err(FormatError::tensor(src.path(), extra, format!("expert {n_exp} exists but the config gives {n_exp} experts per layer")).into());
+            }
+            for e in 0..n_exp {
+                let mut gu = load(src, &names.expert(i, e, "gate"), &[ie, h])?;
+                gu.extend(load(src, &names.expert(i, e, "up"), &[ie, h])?);
+                gate_up.push(gu);
+                down.push(load(src, &names.expert(i, e, "down"), &[h, ie])?);
+            }
+        }
+    }
+    let gate_up = device.load_experts(2 * ie, h, gate_up.into_iter().map(|v| Weight::from_f32(2 * ie, h, v, dtype)).collect());
+    let down = device.load_experts(h, ie, down.into_iter().map(|v| Weight::from_f32(h, ie, v, dtype)).collect());
+    let shared = match mc.shared_expert_intermediate {
+        None => None,
+        Some(is) => {
+            let l = |part: &str, shape: &[usize]| load(src, &names.layer(i, part, "weight"), shape);
+            let mut gu = l("shared_gate_proj", &[is, h])?;
+            gu.extend(l("shared_up_proj", &[is, h])?);
+            // llama.cpp stores the shared expert's gate as a vector.
+            let gname = names.layer(i, "shared_gate", "weight");
+            let gate = match src.shape(&gname)?.as_slice() {
+                [n] if *n == h => load(src, &gname, &[h])?,
+                _ => load(src, &gname, &[1, h])?,
+            };
+            Some(SharedExpert { gate_up: wt(2 * is, h, gu), down: wt(h, is, l("shared_down_proj", &[h, is])?), gate: f32w(1, h, gate) })
+        }
+    };
+    Ok(MoeWeights { router, gate_up, down, shared })
 }

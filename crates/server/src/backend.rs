@@ -46,6 +46,20 @@ pub enum Event {
 /// Events of one submitted request; dropping it cancels the request.
 pub type EventStream = Pin<Box<dyn Stream<Item = Event> + Send>>;
 
+/// One input to embed as the HTTP layer hands it to the engine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EmbedInput {
+    /// Token ids (instruction prefix and special tokens already applied).
+    pub input: Vec<u32>,
+    pub adapter: Option<String>,
+    pub dimensions: Option<usize>,
+    pub normalize: Option<bool>,
+}
+
+/// The embedding of one input, or why there is none; dropping it cancels the request.
+pub type EmbedFuture = Pin<Box<dyn std::future::Future<Output = Result<Vec<f32>, String>> + Send>>;
+
+
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum SubmitError {
     #[error("the server is overloaded: the request queue is full")]
@@ -145,4 +159,12 @@ pub trait Backend: Send + Sync + 'static {
     fn stats(&self) -> Stats;
     /// Stop accepting work; running requests continue.
     fn shutdown(&self);
+    /// The pooling (prompts, dimensions) when the server embeds (`--task embed`) instead of
+    /// generating.
+    fn embedding_info(&self) -> Option<quiver_model::EmbeddingSpec> {
+        None
+    }
+    fn embed(&self, _req: EmbedInput) -> Result<EmbedFuture, SubmitError> {
+        Err(SubmitError::Invalid("this server generates text and serves no embeddings (start it with --task embed)".into()))
+    }
 }

@@ -50,6 +50,18 @@ fn conv_event(e: StreamEvent) -> Event {
     }
 }
 
+fn conv_submit_err(e: quiver_engine::SubmitError) -> SubmitError {
+    use quiver_engine::SubmitError as E;
+    match e {
+        E::QueueFull { .. } => SubmitError::QueueFull,
+        E::UnknownAdapter(a) => SubmitError::UnknownAdapter(a),
+        E::PromptTooLong { prompt_tokens, max_tokens, max_model_len } => SubmitError::TooLong { prompt: prompt_tokens, completion: max_tokens, needed: prompt_tokens + max_tokens, max: max_model_len },
+        E::Invalid(m) => SubmitError::Invalid(m),
+        E::InvalidConstraint(m) => SubmitError::InvalidConstraint(m),
+        E::ShuttingDown => SubmitError::ShuttingDown,
+    }
+}
+
 fn conv_adapter_err(e: quiver_engine::AdapterError) -> AdapterError {
     use quiver_engine::AdapterError as E;
     match e {
@@ -125,19 +137,7 @@ impl Backend for EngineBackend {
             skip_special_tokens: r.skip_special_tokens,
             constraint: r.constraint,
         };
-        let rs = self.handle.submit(req).map_err(|e| {
-            use quiver_engine::SubmitError as E;
-            match e {
-                E::QueueFull { .. } => SubmitError::QueueFull,
-                E::UnknownAdapter(a) => SubmitError::UnknownAdapter(a),
-                E::PromptTooLong { prompt_tokens, max_tokens, max_model_len } => {
-                    SubmitError::TooLong { prompt: prompt_tokens, completion: max_tokens, needed: prompt_tokens + max_tokens, max: max_model_len }
-                }
-                E::Invalid(m) => SubmitError::Invalid(m),
-                E::InvalidConstraint(m) => SubmitError::InvalidConstraint(m),
-                E::ShuttingDown => SubmitError::ShuttingDown,
-            }
-        })?;
+        let rs = self.handle.submit(req).map_err(conv_submit_err)?;
         // Ends after every sample finished, even if the engine keeps its sender a while.
         let s = futures::stream::unfold((rs, 0usize), move |(mut rs, done)| async move {
             if done >= n {
@@ -180,5 +180,13 @@ impl Backend for EngineBackend {
     /// memory (the H200 check saw a segfault after "quiver: stopped" without this).
     fn shutdown(&self) {
         self.handle.shutdown_and_join();
+    }
+    fn embedding_info(&self) -> Option<quiver_model::EmbeddingSpec> {
+        self.handle.embedding_spec().cloned()
+    }
+    fn embed(&self, r: EmbedInput) -> Result<EmbedFuture, SubmitError> {
+        let req = quiver_engine::EmbedRequest { input: r.input, adapter: r.adapter, dimensions: r.dimensions, normalize: r.normalize };
+        let s = self.handle.submit_embed(req).map_err(conv_submit_err)?;
+        Ok(Box::pin(s.result()))
     }
 }

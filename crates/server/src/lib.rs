@@ -6,6 +6,7 @@ pub mod adapters;
 pub mod backend;
 mod chat;
 mod completions;
+pub mod embeddings;
 pub mod engine_backend;
 pub mod error;
 mod logprobs;

@@ -103,6 +103,11 @@ impl AppState {
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)
     }
+    /// Counts a request in flight for the shutdown drain until the guard drops.
+    pub(crate) fn in_flight_guard(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        InFlight(self.clone())
+    }
     /// A response id; a client's `request_id` (vLLM) is used as given after the prefix.
     pub(crate) fn new_id(&self, prefix: &str, request_id: Option<&str>) -> String {
         if let Some(r) = request_id {
@@ -111,6 +116,15 @@ impl AppState {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         format!("{prefix}-{:x}{:08x}", t & 0xffff_ffff_ffff, n)
+    }
+}
+
+/// See [`AppState::in_flight_guard`].
+pub(crate) struct InFlight(Arc<AppState>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -124,6 +138,7 @@ pub fn router(st: Arc<AppState>) -> Router {
         .route("/v1/completions", post(crate::completions::completions))
         .route("/v1/chat/completions", post(crate::chat::chat_completions))
         .route("/v1/models", get(list_models))
+        .route("/v1/embeddings", post(crate::embeddings::embeddings))
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/load_lora_adapter", post(v1_load))
         .route("/v1/unload_lora_adapter", post(v1_unload))

@@ -25,6 +25,8 @@ pub(super) struct Loader {
     pub sandbox: Option<PathBuf>,
     /// Set at shutdown: a load in progress stops at its next read.
     pub cancel: Arc<AtomicBool>,
+    /// The model, for modules an adapter names that it does not have.
+    pub model: ModelConfig,
 }
 
 impl Loader {
@@ -32,11 +34,14 @@ impl Loader {
     /// layer at the pool's rank in f32, plus the header.
     fn max_weights_bytes(&self) -> u64 {
         let d = &self.dims;
+        let experts = d.moe.map_or(0, |m| m.num_experts);
         let per_rank: usize = LoraModule::ALL
             .iter()
+            .chain(&LoraModule::MOE)
             .map(|&m| {
                 let (i, o) = d.module_dims(m);
-                (i + o) * if m.is_projection() { d.num_layers } else { 1 }
+                let copies = if m.is_expert() { experts } else { 1 };
+                (i + o) * copies * if m.is_projection() { d.num_layers } else { 1 }
             })
             .sum();
         (per_rank * self.max_rank * 4) as u64 + (16 << 20) + 8
@@ -59,6 +64,7 @@ impl Loader {
     fn read(&self, name: &str, path: &Path) -> Result<LoraAdapter, LoraError> {
         let a = LoraAdapter::load_with(name, path, &self.dims, &self.limits(path))?;
         a.check_compatible(self.max_rank, &self.modules)?;
+        quiver_model::check_adapter(&self.model, &a)?;
         Ok(a)
     }
 }

@@ -22,6 +22,9 @@ impl EngineHandle {
     /// (a name still loading is accepted and waits), a full queue, or shutdown.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, SubmitError> {
         let sh = &self.inner.shared;
+        if sh.embedding.is_some() {
+            return Err(SubmitError::Invalid("this server serves embeddings (--task embed): use /v1/embeddings".into()));
+        }
         if req.prompt.is_empty() {
             return Err(SubmitError::Invalid("prompt is empty".into()));
         }
@@ -63,6 +66,13 @@ impl EngineHandle {
             None => None,
             Some(c) => Some(sh.grammars.as_ref().map_err(|e| SubmitError::InvalidConstraint(e.clone()))?.compile(c).map_err(SubmitError::InvalidConstraint)?),
         };
+        self.enqueue(req, None, guide)
+    }
+
+    /// Queues a checked request: refuses it when shutting down, for an unknown adapter or a
+    /// full queue, otherwise hands it to the engine thread.
+    pub(super) fn enqueue(&self, req: GenerateRequest, embed: Option<EmbedJob>, guide: Option<Guide>) -> Result<RequestStream, SubmitError> {
+        let sh = &self.inner.shared;
         // The adapter table lock orders this submit against unloads.
         let table = sh.adapters.lock().unwrap();
         if !sh.accepting.load(Ordering::SeqCst) {
@@ -82,7 +92,7 @@ impl EngineHandle {
         let (etx, erx) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let (n, prompt_tokens) = (req.n, req.prompt.len());
-        if self.inner.tx.send(Msg::Submit(Box::new(NewRequest { id, req, tx: etx, cancel: cancel.clone(), guide }))).is_err() {
+        if self.inner.tx.send(Msg::Submit(Box::new(NewRequest { id, req, tx: etx, cancel: cancel.clone(), guide, embed }))).is_err() {
             sh.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::ShuttingDown);
         }

@@ -33,7 +33,7 @@
 //! exactly where it was.
 
 use crate::api::*;
-use crate::config::{mem_available, EngineConfig, SchedulePolicy};
+use crate::config::{mem_available, EngineConfig, SchedulePolicy, Task};
 use crate::kv::{BlockId, BlockPool, Parent};
 use crate::sampling::{self, Sampler, SamplingParams};
 use crate::structured::{Grammars, Guide};
@@ -43,7 +43,7 @@ use quiver_kernels::KvStorage;
 use quiver_lora::adapter::FileStamp;
 use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora, ReadLimits};
 use quiver_model::tokenizer::Tokenizer;
-use quiver_model::{ForwardBatch, LlamaModel, LoadedModel, LogitsFor, Workspace};
+use quiver_model::{ForwardBatch, LlamaModel, LoadedModel, LogitsFor, ModelConfig, Workspace};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -55,6 +55,7 @@ use tokio::sync::oneshot;
 
 mod adapters;
 mod profile;
+mod embed;
 mod handle;
 mod prompt_logprobs;
 mod requests;
@@ -62,6 +63,7 @@ mod schedule;
 mod step;
 
 use adapters::{loader_loop, Loader, LoaderJob};
+use embed::{EmbedJob, EmbedState};
 
 /// A draw made on the host (see `Core::draws_on_device`).
 const HOST_DRAW: u32 = u32::MAX;
@@ -83,6 +85,8 @@ pub(crate) struct NewRequest {
     cancel: Arc<AtomicBool>,
     /// The compiled constraint, if any.
     guide: Option<Guide>,
+    /// Set for an embedding request.
+    embed: Option<EmbedJob>,
 }
 
 pub(crate) struct LoadJob {
@@ -112,6 +116,8 @@ struct Shared {
     stats: Mutex<EngineStats>,
     /// Structured output for this vocabulary; `Err` says why it is unavailable.
     grammars: Result<Grammars, String>,
+    /// The pooling, when the engine serves embeddings.
+    embedding: Option<quiver_model::EmbeddingSpec>,
 }
 
 struct Inner {
@@ -143,9 +149,15 @@ impl Engine {
     /// loader thread.
     pub fn start(model: LoadedModel, cfg: EngineConfig) -> anyhow::Result<EngineHandle> {
         cfg.validate().map_err(anyhow::Error::msg)?;
-        let LoadedModel { model, tokenizer, .. } = model;
+        let LoadedModel { model, tokenizer, path } = model;
         let tokenizer = Arc::new(tokenizer);
         let c = &model.config;
+        let embedding = match &cfg.task {
+            Task::Embed(spec) => Some(spec.clone()),
+            Task::Generate if !c.has_lm_head => anyhow::bail!("{}: the model has no LM head (a bare `{:?}` decoder, an embedding model): serve it with --task embed", path.display(), c.arch),
+            Task::Generate => None,
+        };
+        let mean_pooling = embedding.as_ref().is_some_and(|e| e.pooling == quiver_model::Pooling::Mean);
         let max_model_len = cfg.max_model_len.unwrap_or(c.max_position_embeddings).min(model.rope.max_pos).max(1);
         let dims = model.lora_dims();
         let lcfg = LoraConfig {
@@ -191,6 +203,7 @@ impl Engine {
             stats: Mutex::new(EngineStats { kv_blocks_total: num_blocks, kv_blocks_free: num_blocks, block_size: bs, max_loras: cfg.max_loras_per_batch, ..Default::default() }),
             grammars: Grammars::new(&tokenizer, c.vocab_size).map_err(|e| format!("structured output is unavailable for this tokenizer: {e:#}")),
             cfg: cfg.clone(),
+            embedding: embedding.clone(),
         });
         let (tx, rx) = mpsc::channel::<Msg>();
         // Loader thread: every adapter file read happens there, never on the engine thread.
@@ -201,15 +214,22 @@ impl Engine {
             Some(d) => Some(d.canonicalize().map_err(|e| anyhow::anyhow!("--lora-dir {}: {e}", d.display()))?),
             None => None,
         };
-        let loader = Loader { dims, max_rank: cfg.max_lora_rank, modules: cfg.lora_target_modules.clone(), sandbox, cancel: cancel_loads.clone() };
+        let loader = Loader { dims, max_rank: cfg.max_lora_rank, modules: cfg.lora_target_modules.clone(), sandbox, cancel: cancel_loads.clone(), model: model.config.clone() };
         std::thread::Builder::new().name("quiver-lora-loader".into()).spawn(move || loader_loop(lrx, etx, loader))?;
         let stride = max_model_len.div_ceil(bs);
+        // An embedding step returns hidden states: every row of a chunk under mean pooling.
+        let ws = match &embedding {
+            None => model.new_workspace(cfg.max_num_batched_tokens, cfg.max_running_requests),
+            Some(_) if mean_pooling => model.new_hidden_workspace(cfg.max_num_batched_tokens, cfg.max_num_batched_tokens),
+            Some(_) => model.new_hidden_workspace(cfg.max_num_batched_tokens, cfg.max_running_requests),
+        };
         let core = Core {
-            ws: model.new_workspace(cfg.max_num_batched_tokens, cfg.max_running_requests),
+            ws,
             batch: ForwardBatch::with_capacity(cfg.max_num_batched_tokens, cfg.max_running_requests, stride),
             stride,
             kv,
-            pool: BlockPool::new(num_blocks, bs, !cfg.disable_prefix_cache),
+            // Mean pooling needs every row computed, so no prefix may be skipped.
+            pool: BlockPool::new(num_blocks, bs, !cfg.disable_prefix_cache && !mean_pooling),
             eos: tokenizer.eos_token_ids().to_vec(),
             tokenizer,
             model,
@@ -242,6 +262,7 @@ impl Engine {
             profile: profile::StepProfile::from_env(),
             cand_buf: Vec::new(),
             counters: Counters::default(),
+            embedding,
         };
         let thread = std::thread::Builder::new().name("quiver-engine".into()).spawn(move || core.run(rx))?;
         Ok(EngineHandle { inner: Arc::new(Inner { shared, tx, loader: Mutex::new(Some(ltx)), cancel_loads, thread: Mutex::new(Some(thread)) }) })
@@ -279,6 +300,8 @@ struct Req {
     forked: bool,
     /// Admitted at least once (no longer counts against the queue limit).
     started: bool,
+    /// Set for an embedding request.
+    embed: Option<EmbedState>,
 }
 
 struct Seq {
@@ -364,6 +387,8 @@ struct Core {
     profile: Option<profile::StepProfile>,
     cand_buf: Vec<(usize, usize)>,
     counters: Counters,
+    /// The pooling, when the engine serves embeddings.
+    embedding: Option<quiver_model::EmbeddingSpec>,
 }
 
 impl Core {

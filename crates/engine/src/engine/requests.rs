@@ -31,7 +31,7 @@ impl Core {
                 }
             },
         };
-        let NewRequest { id, req, tx, cancel, guide } = nr;
+        let NewRequest { id, req, tx, cancel, guide, embed } = nr;
         let ri = match self.free_reqs.pop() {
             Some(i) => i,
             None => {
@@ -84,6 +84,7 @@ impl Core {
             live: req.n,
             forked: req.n == 1,
             started: false,
+            embed: embed.map(|job| EmbedState { job: Some(job), pool: Default::default() }),
         });
         self.waiting.push_back(si);
     }

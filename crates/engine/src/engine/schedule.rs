@@ -9,6 +9,11 @@ impl Core {
         self.counters.preemptions += 1;
         self.release_blocks(si);
         self.remove_running(si);
+        // Recomputed from its first token: what it had pooled goes too.
+        let ri = self.seq(si).req;
+        if let Some(e) = self.req_mut(ri).embed.as_mut() {
+            e.pool.reset();
+        }
         let step = self.step_no;
         let s = self.seq_mut(si);
         s.num_computed = 0;

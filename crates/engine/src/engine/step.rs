@@ -14,10 +14,11 @@ impl Core {
         // Build the batch.
         self.batch.clear(self.stride);
         self.seq_adapters.clear();
+        let mean_pooling = self.embedding.as_ref().is_some_and(|e| e.pooling == quiver_model::Pooling::Mean);
         for &(si, chunk) in &self.sched {
             let s = self.seqs[si].as_ref().expect("scheduled sequence");
             let end = s.num_computed + chunk;
-            let want = if self.scores_prompt_rows(si, s.num_computed, end) {
+            let want = if mean_pooling || self.scores_prompt_rows(si, s.num_computed, end) {
                 LogitsFor::All
             } else if end == s.tokens.len() {
                 LogitsFor::Last
@@ -38,7 +39,11 @@ impl Core {
             let hook = self.manager.prepare_batch(&self.seq_adapters, &self.batch.seq_starts, &self.batch.logits_rows);
             match hook {
                 Ok(hook) => {
-                    self.model.forward_on_device(&self.batch, &mut self.kv, &mut self.ws, &hook as &dyn LoraHook);
+                    if self.embedding.is_some() {
+                        self.model.forward_hidden(&self.batch, &mut self.kv, &mut self.ws, &hook as &dyn LoraHook);
+                    } else {
+                        self.model.forward_on_device(&self.batch, &mut self.kv, &mut self.ws, &hook as &dyn LoraHook);
+                    }
                 }
                 Err(e) => {
                     self.fail_unresident(e);
@@ -50,8 +55,24 @@ impl Core {
                     return true;
                 }
             }
+        } else if self.embedding.is_some() {
+            self.model.forward_hidden(&self.batch, &mut self.kv, &mut self.ws, &NoLora);
         } else {
             self.model.forward_on_device(&self.batch, &mut self.kv, &mut self.ws, &NoLora);
+        }
+        if self.embedding.is_some() {
+            let sched = std::mem::take(&mut self.sched);
+            let mut row = 0;
+            for &(si, chunk) in &sched {
+                let s = self.seq_mut(si);
+                s.scheduled = false;
+                s.num_computed += chunk;
+                self.register_blocks(si);
+                row += self.take_embedding_rows(si, chunk, row);
+            }
+            self.sched = sched;
+            self.sched.clear();
+            return true;
         }
         // The logits come to the host only when a row needs them there (prompt logprobs, or a
         // draw with penalties, a grammar or a min_tokens ban); every other draw happens on the

@@ -133,3 +133,71 @@ pub fn prompt(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
         })
         .collect()
 }
+
+// ---- PEFT parity helpers ------------------------------------------------------------------
+
+use quiver_engine::StepLora;
+use quiver_lora::LoraHook;
+use quiver_model::{ForwardBatch, LogitsFor};
+
+/// Logprob tolerance against the PEFT references.
+pub const TOL: f32 = 1e-3;
+
+/// One sequence per (adapter, case); runs them all in one forward and checks every row against
+/// its own adapter's reference. Returns the logits, `[rows, vocab]` in sequence order.
+pub fn check_mixed(model: &LlamaModel, mgr: &mut LoraManager, seqs: &[(Option<AdapterKey>, &RefCase, &str)]) -> Vec<f32> {
+    let vocab = model.config.vocab_size;
+    let bs = 16;
+    let lens: Vec<usize> = seqs.iter().map(|(_, c, _)| c.prompt_ids.len() + c.continuation_ids.len()).collect();
+    let per: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let total_tokens: usize = lens.iter().sum();
+    let mut kv = model.alloc_kv(per.iter().sum(), bs);
+    let mut batch = ForwardBatch::with_capacity(total_tokens, seqs.len(), *per.iter().max().unwrap());
+    let mut next = 0u32;
+    for ((_, c, _), &nb) in seqs.iter().zip(&per) {
+        let mut toks = c.prompt_ids.clone();
+        toks.extend(&c.continuation_ids);
+        let table: Vec<u32> = (next..next + nb as u32).collect();
+        next += nb as u32;
+        batch.push_seq(&toks, 0, &table, LogitsFor::All);
+    }
+    let keys: Vec<Option<AdapterKey>> = seqs.iter().map(|s| s.0).collect();
+    let mut ws = model.new_workspace(total_tokens, total_tokens);
+    let hook = mgr.prepare_batch(&keys, &batch.seq_starts, &batch.logits_rows).unwrap();
+    let logits = model.forward(&batch, &mut kv, &mut ws, &hook);
+    let mut off = 0;
+    for ((_, c, label), &len) in seqs.iter().zip(&lens) {
+        let (d, pos) = max_logprob_delta(c, &logits[off * vocab..(off + len) * vocab], vocab);
+        assert!(d <= TOL, "{label} case {}: max |Δlogprob| {d} at position {pos} > {TOL}", c.name);
+        eprintln!("{label} {}: max |Δlogprob| {d:.2e}", c.name);
+        off += len;
+    }
+    logits.to_vec()
+}
+
+/// Runs one adapter through the single-sequence generator.
+pub struct OneAdapter<'a> {
+    pub mgr: &'a mut LoraManager,
+    pub key: AdapterKey,
+}
+
+impl StepLora for OneAdapter<'_> {
+    fn with_hook(&mut self, batch: &ForwardBatch, f: &mut dyn FnMut(&dyn LoraHook)) {
+        let hook = self.mgr.prepare_batch(&[Some(self.key)], &batch.seq_starts, &batch.logits_rows).unwrap();
+        f(&hook)
+    }
+}
+
+
+/// Greedy continuation of `case` with one adapter through the single-sequence generator; it
+/// must be the reference's token for token.
+pub fn assert_greedy_matches(g: &mut quiver_engine::Generator, mgr: &mut LoraManager, key: AdapterKey, case: &RefCase, label: &str) {
+    let opts = GenerateOptions { max_tokens: case.continuation_ids.len(), sampling: SamplingParams::default(), stop_ids: vec![], prefill_chunk: 128 };
+    let mut out = Vec::new();
+    g.generate(&case.prompt_ids, &opts, &mut OneAdapter { mgr, key }, |t| {
+        out.push(t);
+        true
+    })
+    .unwrap();
+    assert_eq!(out, case.continuation_ids, "{label} case {}: greedy continuation differs from PEFT", case.name);
+}

@@ -8,10 +8,11 @@ mod attention;
 mod dot;
 mod lora;
 pub mod lora_tiles;
+mod moe;
 pub mod panel;
 pub mod simd;
 
-use crate::{AttnBatch, Device, DeviceKind, KvStorage, LoraCall, LoraX, RopeTable, Tensor, Weight, WeightData};
+use crate::{AttnBatch, Device, DeviceKind, ExpertWeights, KvStorage, LoraCall, LoraX, MoeRouting, QkNorm, RopeTable, Tensor, Weight, WeightData};
 use rayon::prelude::*;
 
 
@@ -254,5 +255,29 @@ impl Device for CpuDevice {
         for (o, &r) in out.chunks_mut(dim).zip(rows) {
             o.copy_from_slice(&x[r as usize * dim..(r as usize + 1) * dim]);
         }
+    }
+
+    fn qk_norm(&self, qkv: &mut Tensor, rows: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize, norm: &QkNorm) {
+        moe::qk_norm(qkv, rows, n_heads, n_kv_heads, head_dim, norm)
+    }
+
+    fn moe_route(&self, logits: &Tensor, m: usize, route: &mut MoeRouting) {
+        moe::route(logits, m, route)
+    }
+
+    fn moe_gather(&self, x: &Tensor, dim: usize, route: &MoeRouting, out: &mut Tensor) {
+        moe::gather(x, dim, route, out)
+    }
+
+    fn moe_matmul(&self, x: &Tensor, route: &MoeRouting, w: &ExpertWeights, y: &mut Tensor) {
+        moe::matmul(x, route, w, y)
+    }
+
+    fn moe_combine(&self, y: &Tensor, route: &MoeRouting, dim: usize, out: &mut Tensor) {
+        moe::combine(y, route, dim, out)
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut Tensor, x: &Tensor, gate: &Tensor, rows: usize, dim: usize) {
+        moe::add_sigmoid_gated(out, x, gate, rows, dim)
     }
 }

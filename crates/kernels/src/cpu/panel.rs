@@ -409,6 +409,72 @@ pub fn matmul(x: &[f32], m: usize, w: &PanelWeight, y: &mut [f32]) {
     }
 }
 
+/// `y[p] = x[p] · W_gᵀ` for every row p in group g's range `offsets[g]..offsets[g + 1]`: an
+/// MoE layer's experts, each over the rows routed to it, in one parallel region. Every element is
+/// computed exactly as [`matmul`] computes it (the same tile kernels, one chain over k from
+/// zero), so a row's result does not depend on which rows share its group. All weights have the
+/// same `[n, k]`; x and y have row strides k and n.
+pub fn matmul_grouped<'w>(x: &[f32], y: &mut [f32], offsets: &[u32], weight: &(dyn Fn(usize) -> &'w PanelWeight + Sync)) {
+    let groups = offsets.len().saturating_sub(1);
+    let rows = |g: usize| (offsets[g] as usize, offsets[g + 1] as usize);
+    let Some(g0) = (0..groups).find(|&g| rows(g).1 > rows(g).0) else { return };
+    let (k, n, np) = (weight(g0).k, weight(g0).n, weight(g0).np);
+    let isa = isa();
+    let sh = shape(isa);
+    assert_eq!(np, sh.np, "grouped panel gemm: weight packed {np} wide, {isa:?} runs {}", sh.np);
+    let total = offsets[groups] as usize;
+    assert!(x.len() >= total * k && y.len() >= total * n, "grouped panel gemm: buffers too small for {total} rows of {k} -> {n}");
+    let panels = n.div_ceil(np);
+    let (xp, yp) = (SyncPtr(x.as_ptr()), SyncPtr(y.as_mut_ptr() as *const f32));
+    // Group g, rows `r`, panels `pn`: one block against g's weight.
+    let run = |g: usize, r: (usize, usize), pn: (usize, usize)| {
+        let w = weight(g);
+        assert!(w.k == k && w.n == n && w.np == np, "grouped panel gemm: expert {g} is [{}, {}], expected [{n}, {k}]", w.n, w.k);
+        let (xp, yp) = (xp, yp);
+        #[allow(clippy::too_many_arguments)]
+        fn go<T: WElem>(isa: Isa, x: *const f32, w: &[T], y: *mut f32, k: usize, n: usize, np: usize, rows: (usize, usize), panels: (usize, usize)) {
+            let b = Block { x, w: w.as_ptr(), y, k, n, np, rows, panels };
+            // SAFETY: the assert above bounds x and y by the last group's end; W holds whole
+            // panels; callers give each block a disjoint rectangle of y.
+            unsafe { run_block(isa, &b) }
+        }
+        match &w.data {
+            PanelData::F32(v) => go(isa, xp.0, v, yp.0 as *mut f32, k, n, np, r, pn),
+            PanelData::Bf16(v) => go(isa, xp.0, v, yp.0 as *mut f32, k, n, np, r, pn),
+        }
+    };
+    let threads = rayon::current_num_threads();
+    if threads == 1 || total * n * k < SEQ_WORK {
+        (0..groups).filter(|&g| rows(g).1 > rows(g).0).for_each(|g| run(g, rows(g), (0, panels)));
+        return;
+    }
+    // The split of `gemm`, with the task count shared out over every group's row blocks.
+    let bm = |m: usize| if m <= MAX_BLOCK_ROWS { m } else { MAX_BLOCK_ROWS / sh.mr * sh.mr };
+    let row_blocks: usize = (0..groups).map(|g| rows(g).1 - rows(g).0).filter(|&m| m > 0).map(|m| m.div_ceil(bm(m))).sum();
+    let split = |m: usize| {
+        let short = m <= SHORT_ROWS.min(sh.mr);
+        let want = (threads * if short { 16 } else { 4 }).div_ceil(row_blocks);
+        let mut bp = panels.div_ceil(want).max(1);
+        if short {
+            bp = bp.next_multiple_of(sh.short_p[m]);
+        }
+        (bm(m), bp)
+    };
+    (0..groups).into_par_iter().for_each(|g| {
+        let (r0, r1) = rows(g);
+        if r1 == r0 {
+            return;
+        }
+        let (bm, bp) = split(r1 - r0);
+        let pblocks = panels.div_ceil(bp);
+        let mblocks = (r1 - r0).div_ceil(bm);
+        (0..mblocks * pblocks).into_par_iter().for_each(|t| {
+            let (bi, bj) = (t / pblocks, t % pblocks);
+            run(g, (r0 + bi * bm, (r0 + (bi + 1) * bm).min(r1)), (bj * bp, ((bj + 1) * bp).min(panels)));
+        });
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -508,6 +574,32 @@ mod tests {
                 let mut one = vec![f32::NAN; n];
                 matmul(&x[i * k..(i + 1) * k], 1, &pw, &mut one);
                 assert_eq!(one, all[i * n..(i + 1) * n], "row {i} of {m}");
+            }
+        }
+    }
+
+    /// The grouped product (MoE experts over their row groups, parallel split shared across
+    /// groups) gives every row the bits of its 1-row product against its group's weight.
+    #[test]
+    fn grouped_rows_equal_their_one_row_products_exactly() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed());
+        for &(k, n, ref sizes) in &[(64usize, 96usize, vec![0usize, 3, 1, 0, 17, 2, 70, 0]), (200, 33, vec![1, 1, 1, 1]), (48, 1536, vec![5, 0, 9])] {
+            let ws: Vec<Vec<f32>> = sizes.iter().map(|_| random(&mut rng, n * k)).collect();
+            let pws: Vec<PanelWeight> = ws.iter().map(|w| PanelWeight::from_f32(n, k, w)).collect();
+            let mut offsets = vec![0u32];
+            for &s in sizes {
+                offsets.push(offsets.last().unwrap() + s as u32);
+            }
+            let m = *offsets.last().unwrap() as usize;
+            let x = random(&mut rng, m * k);
+            let mut y = vec![f32::NAN; m * n];
+            matmul_grouped(&x, &mut y, &offsets, &|g| &pws[g]);
+            for g in 0..sizes.len() {
+                for r in offsets[g] as usize..offsets[g + 1] as usize {
+                    let mut one = vec![f32::NAN; n];
+                    matmul(&x[r * k..(r + 1) * k], 1, &pws[g], &mut one);
+                    assert_eq!(one, y[r * n..(r + 1) * n], "group {g} row {r} of {m} (k={k} n={n})");
+                }
             }
         }
     }

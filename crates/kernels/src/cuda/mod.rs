@@ -21,7 +21,7 @@
 
 mod blas;
 
-use crate::{AttnBatch, DType, Device, DeviceKind, KvLayout, KvStorage, LoraCall, LoraSiteBuffers, LoraSiteShape, LoraTable, LoraX, RopeTable, Tensor, Weight, WeightData};
+use crate::{AttnBatch, DType, Device, DeviceKind, ExpertWeights, KvLayout, KvStorage, LoraCall, LoraSiteBuffers, LoraSiteShape, LoraTable, LoraX, MoeRouting, QkNorm, RopeTable, RouterSpec, Tensor, Weight, WeightData};
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{result, sys, CudaContext, CudaModule};
 use std::ffi::c_void;
@@ -101,6 +101,8 @@ pub struct CudaDevice {
     /// handle is destroyed first); otherwise cuBLAS manages its workspace itself.
     _blas_workspace: Option<DevBuf>,
     k: Kernels,
+    /// The MoE and q/k-norm kernels (`moe.cu`).
+    moe_k: moe::MoeKernels,
     _module: Arc<CudaModule>,
     state: Mutex<State>,
     name: String,
@@ -155,6 +157,7 @@ mod graphs;
 mod lora;
 mod memory;
 mod module;
+pub mod moe;
 mod profile;
 mod sample;
 mod transfer;
@@ -206,6 +209,7 @@ impl CudaDevice {
         let ptx = kernels_ptx(&arch)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).context("loading Quiver's CUDA kernels")?;
         let k = Kernels::load(&module)?;
+        let moe_k = moe::MoeKernels::load(&|n: &str| Ok(module.load_function(n).with_context(|| format!("kernel {n}"))?.cu_function()))?;
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking).context("creating a CUDA stream")?;
         let graph_max_rows = std::env::var("QUIVER_CUDA_GRAPH_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(GRAPH_MAX_ROWS).min(GRAPH_MAX_ROWS);
         let blas_workspace = if graph_max_rows > GEMV_MAX_M { Some(DevBuf::zeroed(&ctx, BLAS_WORKSPACE)?) } else { None };
@@ -246,6 +250,7 @@ impl CudaDevice {
             blas,
             _blas_workspace: blas_workspace,
             k,
+            moe_k,
             _module: module,
             state: Mutex::new(state),
             name,
@@ -636,6 +641,9 @@ impl Device for CudaDevice {
     fn lora_tile_rows(&self) -> usize {
         lora::TILE_ROWS
     }
+    fn lora_experts_supported(&self) -> Result<(), String> {
+        Err("not on CUDA yet (the routing stays on the GPU and no grouped expert-LoRA kernel exists; the CPU device runs it)".into())
+    }
 
     fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
         self.lora_apply_impl(call, x, y)
@@ -650,6 +658,38 @@ impl Device for CudaDevice {
         let rp = self.meta_ptr(&mut st, rows);
         launch!(self, self.k.gather_rows, (rows.len() as u32, 1, 1), (256, 1, 1); buf(x), rp, buf(out), dim as i32);
         self.mark("gather_rows");
+    }
+
+    fn qk_norm(&self, qkv: &mut Tensor, rows: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize, norm: &QkNorm) {
+        self.moe_qk_norm(qkv, rows, n_heads, n_kv_heads, head_dim, norm)
+    }
+
+    fn load_experts(&self, rows: usize, cols: usize, experts: Vec<Weight>) -> ExpertWeights {
+        self.moe_load_experts(rows, cols, experts)
+    }
+
+    fn alloc_routing(&self, max_rows: usize, spec: RouterSpec) -> MoeRouting {
+        self.moe_alloc_routing(max_rows, spec)
+    }
+
+    fn moe_route(&self, logits: &Tensor, m: usize, route: &mut MoeRouting) {
+        self.moe_route_rows(logits, m, route)
+    }
+
+    fn moe_gather(&self, x: &Tensor, dim: usize, route: &MoeRouting, out: &mut Tensor) {
+        self.moe_gather_rows(x, dim, route, out)
+    }
+
+    fn moe_matmul(&self, x: &Tensor, route: &MoeRouting, w: &ExpertWeights, y: &mut Tensor) {
+        self.moe_grouped_matmul(x, route, w, y)
+    }
+
+    fn moe_combine(&self, y: &Tensor, route: &MoeRouting, dim: usize, out: &mut Tensor) {
+        self.moe_combine_rows(y, route, dim, out)
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut Tensor, x: &Tensor, gate: &Tensor, rows: usize, dim: usize) {
+        self.moe_add_sigmoid_gated(out, x, gate, rows, dim)
     }
 }
 

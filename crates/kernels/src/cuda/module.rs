@@ -7,8 +7,8 @@ use cudarc::driver::{result, sys, CudaModule};
 use std::sync::Arc;
 use std::path::PathBuf;
 
-/// `kernels.cu`, `lora.cu` then `sample.cu`, one module (the LoRA kernels use the helpers above them).
-pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("lora.cu"), include_str!("sample.cu"));
+/// `kernels.cu`, `lora.cu`, `moe.cu` then `sample.cu`, one module (the later files use the helpers of `kernels.cu`).
+pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("lora.cu"), include_str!("moe.cu"), include_str!("sample.cu"));
 
 pub(super) struct Kernels {
     pub(super) f32_to_bf16: sys::CUfunction,

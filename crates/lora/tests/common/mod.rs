@@ -11,7 +11,7 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
 /// Small dims with odd widths so no kernel can rely on multiples of a tile.
-pub const DIMS: LoraModelDims = LoraModelDims { num_layers: 2, hidden: 20, q_out: 20, kv_out: 12, intermediate: 36, vocab: 53 };
+pub const DIMS: LoraModelDims = LoraModelDims { num_layers: 2, hidden: 20, q_out: 20, kv_out: 12, intermediate: 36, vocab: 53, moe: None };
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
@@ -167,7 +167,7 @@ pub fn write_sparse_weights(path: &Path, tensors: &[(String, &str, Vec<usize>)])
 }
 
 /// Model dims shaped like Llama-3-8B, for adapters of realistic (hundreds of MB) size.
-pub const BIG_DIMS: LoraModelDims = LoraModelDims { num_layers: 32, hidden: 4096, q_out: 4096, kv_out: 1024, intermediate: 14336, vocab: 128256 };
+pub const BIG_DIMS: LoraModelDims = LoraModelDims { num_layers: 32, hidden: 4096, q_out: 4096, kv_out: 1024, intermediate: 14336, vocab: 128256, moe: None };
 
 /// Header entries of a rank-`r` adapter on every projection of every layer of `dims`.
 pub fn all_projection_tensors(dims: &LoraModelDims, r: usize) -> Vec<(String, &'static str, Vec<usize>)> {
