@@ -3,7 +3,8 @@
 //! Everything above (LoRA, model, engine) holds activations as [`Tensor`]s and weights as
 //! [`Weight`]s and calls ops through the [`Device`] trait object. The CPU implementation lives in
 //! [`cpu`]; a CUDA implementation plugs in behind the `cuda` feature with its own [`Storage`]
-//! variant, without the model changing.
+//! variant, and an OpenCL one ([`opencl`]: Intel GPUs, any OpenCL device) in every build, without
+//! the model changing.
 //!
 //! Conventions: activations are f32, row-major `[rows, cols]`. Linear weights are `[out, in]`
 //! (PyTorch order) so `y = x · Wᵀ`. Computation accumulates in f32 whatever the weight dtype.
@@ -13,6 +14,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod lora;
+pub mod opencl;
 
 use std::fmt;
 use std::sync::Arc;
@@ -24,6 +26,10 @@ pub use lora::{GroupRows, LoraCall, LoraGroups, LoraSiteBuffers, LoraSiteShape, 
 pub enum DeviceKind {
     Cpu,
     Cuda(usize),
+    /// The N-th Intel GPU among the OpenCL devices (`xpu[:N]`).
+    Xpu(usize),
+    /// The N-th OpenCL device of any kind, in platform order (`opencl[:N]`).
+    OpenCl(usize),
 }
 
 impl fmt::Display for DeviceKind {
@@ -31,6 +37,8 @@ impl fmt::Display for DeviceKind {
         match self {
             DeviceKind::Cpu => write!(f, "cpu"),
             DeviceKind::Cuda(i) => write!(f, "cuda:{i}"),
+            DeviceKind::Xpu(i) => write!(f, "xpu:{i}"),
+            DeviceKind::OpenCl(i) => write!(f, "opencl:{i}"),
         }
     }
 }
@@ -38,13 +46,16 @@ impl fmt::Display for DeviceKind {
 impl std::str::FromStr for DeviceKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "cpu" => Ok(DeviceKind::Cpu),
-            "cuda" => Ok(DeviceKind::Cuda(0)),
-            _ => match s.strip_prefix("cuda:").map(|n| n.parse::<usize>()) {
-                Some(Ok(i)) => Ok(DeviceKind::Cuda(i)),
-                _ => Err(format!("unknown device `{s}` (expected cpu, cuda or cuda:N)")),
-            },
+        let (name, index) = match s.split_once(':') {
+            Some((n, i)) => (n, i.parse::<usize>().ok()),
+            None => (s, Some(0)),
+        };
+        match (name, index) {
+            ("cpu", _) if s == "cpu" => Ok(DeviceKind::Cpu),
+            ("cuda", Some(i)) => Ok(DeviceKind::Cuda(i)),
+            ("xpu", Some(i)) => Ok(DeviceKind::Xpu(i)),
+            ("opencl", Some(i)) => Ok(DeviceKind::OpenCl(i)),
+            _ => Err(format!("unknown device `{s}` (expected cpu, cuda[:N], xpu[:N] or opencl[:N])")),
         }
     }
 }
@@ -75,6 +86,7 @@ pub enum Storage {
     Cpu(aligned::AlignedVec<f32>),
     #[cfg(feature = "cuda")]
     Cuda(cuda::DevBuf),
+    OpenCl(opencl::ClBuf),
 }
 
 /// A flat f32 activation buffer on some device. Shape bookkeeping is the caller's: ops take
@@ -96,6 +108,7 @@ impl Tensor {
             Storage::Cpu(v) => v.len(),
             #[cfg(feature = "cuda")]
             Storage::Cuda(b) => b.bytes() / 4,
+            Storage::OpenCl(b) => b.bytes() / 4,
         }
     }
     /// True when the data lives in host memory (so [`Tensor::as_cpu`] works).
@@ -109,6 +122,7 @@ impl Tensor {
             Storage::Cpu(v) => v,
             #[cfg(feature = "cuda")]
             Storage::Cuda(_) => panic!("host view of a CUDA tensor (copy it with Device::to_host)"),
+            Storage::OpenCl(_) => panic!("host view of an OpenCL tensor (copy it with Device::to_host)"),
         }
     }
     pub fn as_cpu_mut(&mut self) -> &mut [f32] {
@@ -116,7 +130,11 @@ impl Tensor {
             Storage::Cpu(v) => v,
             #[cfg(feature = "cuda")]
             Storage::Cuda(_) => panic!("host view of a CUDA tensor (copy it with Device::to_host)"),
+            Storage::OpenCl(_) => panic!("host view of an OpenCL tensor (copy it with Device::to_host)"),
         }
+    }
+    pub fn from_opencl(buf: opencl::ClBuf) -> Self {
+        Tensor { storage: Storage::OpenCl(buf) }
     }
     #[cfg(feature = "cuda")]
     pub fn from_cuda(buf: cuda::DevBuf) -> Self {
@@ -139,6 +157,8 @@ pub enum WeightData {
     /// In device memory, in the given dtype.
     #[cfg(feature = "cuda")]
     Cuda(cuda::DevBuf, DType),
+    /// In an OpenCL device's memory, in the given dtype.
+    OpenCl(opencl::ClBuf, DType),
 }
 
 /// A `[rows, cols]` = `[out, in]` matrix (or an embedding table `[vocab, hidden]`).
@@ -165,6 +185,7 @@ impl Weight {
             WeightData::Panels(ref p) => if p.is_f32() { DType::F32 } else { DType::Bf16 },
             #[cfg(feature = "cuda")]
             WeightData::Cuda(_, d) => d,
+            WeightData::OpenCl(_, d) => d,
         }
     }
     pub fn size_bytes(&self) -> usize {
@@ -175,6 +196,7 @@ impl Weight {
             WeightData::Panels(p) => p.size_bytes(),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(b, _) => b.bytes(),
+            WeightData::OpenCl(b, _) => b.bytes(),
         }
     }
     /// Row `r` converted to f32 into `out` (len `cols`). Host weights only.
@@ -191,6 +213,7 @@ impl Weight {
             WeightData::Panels(p) => p.row_f32(r, out),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(..) => panic!("row_f32 of a weight in device memory"),
+            WeightData::OpenCl(..) => panic!("row_f32 of a weight in device memory"),
         }
     }
 }
@@ -397,5 +420,6 @@ pub fn open_device(kind: DeviceKind) -> anyhow::Result<Arc<dyn Device>> {
         DeviceKind::Cuda(_) => anyhow::bail!(
             "device {kind} requested but this build has no CUDA support (rebuild with `--features cuda`)"
         ),
+        DeviceKind::Xpu(_) | DeviceKind::OpenCl(_) => Ok(Arc::new(opencl::OpenClDevice::new(kind)?)),
     }
 }
