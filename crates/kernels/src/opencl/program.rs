@@ -20,15 +20,18 @@ pub(super) struct Source {
 
 /// The kernel defined at or before `line` (1-based) of `src`: what a compiler error points into.
 fn kernel_at(src: &str, line: usize) -> Option<String> {
-    let mut found = None;
+    // `__kernel` may stand on the line before the signature (dpas.cl's attributes do that).
+    let (mut found, mut pending) = (None, false);
     for l in src.lines().take(line) {
+        pending |= l.contains("__kernel");
         if let Some(i) = l.find("void ") {
-            if l.contains("__kernel") {
+            if pending {
                 let name: String = l[i + 5..].chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
                 if !name.is_empty() {
                     found = Some(name);
                 }
             }
+            pending = false;
         }
     }
     found
@@ -77,6 +80,9 @@ mod tests {
         assert_eq!(kernel_at(src, 3).as_deref(), Some("first"));
         assert_eq!(kernel_at(src, 7).as_deref(), Some("second"));
         assert_eq!(kernel_at(src, 1), None);
+        let split = "inline void helper() {}\n__kernel __attribute__((x))\nvoid third(int c) {\n  oops;\n}\n";
+        assert_eq!(kernel_at(split, 1), None);
+        assert_eq!(kernel_at(split, 4).as_deref(), Some("third"));
         // PoCL (clang) and Intel's logs: "<source>:7:3: error" / "1:7:3: error".
         assert_eq!(first_error_line("<source>:7:3: error: use of undeclared identifier 'oops'", 8), Some(7));
         assert_eq!(first_error_line("1:7:3: error: oops", 8), Some(7));
