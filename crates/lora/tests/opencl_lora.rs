@@ -1,15 +1,23 @@
-//! The OpenCL LoRA kernels against the CPU reference backend (the checks are in `device_lora`).
-//! They are the portable kernels in every kernel set (the DPAS shrink / expand is not written yet).
+//! The OpenCL LoRA kernels against the CPU reference backend (the checks are in `device_lora`),
+//! under each kernel set of the run (`quiver_kernels::opencl::testing`): the portable shrink and
+//! expand, and the DPAS ones at 16 and 8 lanes (the matrix builtin emulated on a CPU runtime).
 
 mod common;
 mod device_lora;
 
-use quiver_kernels::opencl::{testing, KernelSet};
+use quiver_kernels::opencl::testing;
 use quiver_kernels::Device;
 use std::sync::Arc;
 
 fn devices() -> Vec<(Arc<dyn Device>, String)> {
-    vec![(Arc::new(testing::device(KernelSet::Portable)), "opencl".into())]
+    testing::kernel_sets()
+        .into_iter()
+        .map(|s| {
+            let d = testing::device(s);
+            let tag = format!("opencl {:?}", d.kernel_set());
+            (Arc::new(d) as Arc<dyn Device>, tag)
+        })
+        .collect()
 }
 
 #[test]

@@ -138,3 +138,143 @@ void dpas_gemm_bf16(__global const float* x, __global const ushort* w, __global 
         }
     }
 }
+
+// ---- LoRA on DPAS (host side in lora.rs; layouts and packed tiles as in lora.cl) -------------
+// The pool is f32, so both operands go in as bf16 hi + lo pairs and each step takes three DPAS
+// (hi·hi, hi·lo, lo·hi: "bf16x3", about f32 accuracy; the fourth product is below f32's
+// rounding). A subgroup owns one tile of at most 16 rows (two row tiles of 8) and SG columns.
+
+#define LT(G, C, k, i) ((int)(G)[1 + (k) * (C) + (i)])
+
+// hi and lo bf16 halves of two floats, packed low / high as the DPAS B operand wants.
+inline void split2(float v0, float v1, uint* hi, uint* lo) {
+    const ushort h0 = f2bf(v0), h1 = f2bf(v1);
+    *hi = (uint)h0 | ((uint)h1 << 16);
+    *lo = (uint)f2bf(v0 - bf2f(h0)) | ((uint)f2bf(v1 - bf2f(h1)) << 16);
+}
+
+// The A operand (hi, lo) of 8 rows at 16 contraction steps: `val(m, k)` for row m < rows, else 0.
+#define LOAD_A_ROWS(val, rows, lane, hi, lo)                                                        \
+    do {                                                                                            \
+        uint h_[8], l_[8];                                                                          \
+        for (int m = 0; m < 8; m++) {                                                               \
+            float v0 = 0.f, v1 = 0.f;                                                               \
+            if (m < (rows)) {                                                                       \
+                if (SG == 16) v0 = val(m, lane);                                                    \
+                else { v0 = val(m, 2 * (lane)); v1 = val(m, 2 * (lane) + 1); }                      \
+            }                                                                                       \
+            if (SG == 16) {                                                                         \
+                const ushort hh = f2bf(v0);                                                         \
+                h_[m] = hh;                                                                         \
+                l_[m] = f2bf(v0 - bf2f(hh));                                                        \
+            } else {                                                                                \
+                split2(v0, v1, &h_[m], &l_[m]);                                                     \
+            }                                                                                       \
+        }                                                                                           \
+        hi = AS_DPAS_A(vload8(0, h_));                                                              \
+        lo = AS_DPAS_A(vload8(0, l_));                                                              \
+    } while (0)
+#if SG == 16
+#define AS_DPAS_A(v) as_short8(convert_ushort8(v))
+#else
+#define AS_DPAS_A(v) as_int8(v)
+#endif
+
+inline float8 dpas3(dpas_a ahi, dpas_a alo, int8 bhi, int8 blo, float8 acc) {
+    acc = dpas_bf16_k16(ahi, bhi, acc);
+    acc = dpas_bf16_k16(ahi, blo, acc);
+    return dpas_bf16_k16(alo, bhi, acc);
+}
+
+// t[p][c] = x[perm[p]] · A[slot][c] for c < n·r (in_dim % 16 == 0). Subgroup (column tile, tile).
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel __attribute__((reqd_work_group_size(SG, 1, 1)))
+void dpas_lora_shrink(__global const float* x, __global const float* A, __global const u32* meta, int g_off, int C,
+                      __global const u32* table, int ranks_off, int n_slices, int R, int in_dim, __global float* t) {
+    const int lane = get_sub_group_local_id(), c0 = get_group_id(0) * SG, tile = get_group_id(1);
+    __global const u32* G = meta + g_off;
+    if (tile >= (int)G[0]) return;
+    const int p0 = LT(G, C, 1, tile), n = LT(G, C, 2, tile), slot = LT(G, C, 3, tile);
+    const int W = n_slices * R, nr = n_slices * (int)table[ranks_off + slot];
+    if (c0 >= nr) return;
+    __global const float* a = A + ((size_t)slot * W + min(c0 + lane, nr - 1)) * in_dim;
+    __global const u32* perm = G + 1;
+    float8 acc0 = (float8)(0.f), acc1 = (float8)(0.f);
+    for (int k0 = 0; k0 < in_dim; k0 += 16) {
+        uint bh[8], bl[8];
+        for (int j = 0; j < 8; j++) split2(a[k0 + 2 * j], a[k0 + 2 * j + 1], &bh[j], &bl[j]);
+        const int8 bhi = as_int8(vload8(0, bh)), blo = as_int8(vload8(0, bl));
+        dpas_a hi, lo;
+#define XV0(m, k) x[(size_t)perm[p0 + (m)] * in_dim + k0 + (k)]
+        LOAD_A_ROWS(XV0, n, lane, hi, lo);
+        acc0 = dpas3(hi, lo, bhi, blo, acc0);
+        if (n > 8) {
+#define XV1(m, k) x[(size_t)perm[p0 + 8 + (m)] * in_dim + k0 + (k)]
+            LOAD_A_ROWS(XV1, n - 8, lane, hi, lo);
+            acc1 = dpas3(hi, lo, bhi, blo, acc1);
+        }
+    }
+    const int c = c0 + lane;
+    if (c >= nr) return;
+    float r0[8], r1[8];
+    vstore8(acc0, 0, r0);
+    vstore8(acc1, 0, r1);
+    for (int m = 0; m < min(n, 16); m++) t[(size_t)(p0 + m) * W + c] = m < 8 ? r0[m] : r1[m - 8];
+}
+
+// y[perm[p]][o] += s_j · Σ_{k<r} t[p][j·r + k] · Bᵀ[slot][k][o], j the slice of column o. The
+// contraction runs over r padded to 16 (steps past r are zero on both sides); a column tile that
+// straddles a slice boundary runs once per slice it touches, the other slice's lanes zero in B.
+// Subgroup (column tile, tile).
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel __attribute__((reqd_work_group_size(SG, 1, 1)))
+void dpas_lora_expand(__global const float* t, __global const float* B, __global const u32* meta, int g_off, int C,
+                      __global const u32* table, int ranks_off, int scal_off, int n_slices, int R, int b_ld,
+                      int off1, int off2, int out, __global float* y) {
+    const int lane = get_sub_group_local_id(), o0 = get_group_id(0) * SG, tile = get_group_id(1);
+    __global const u32* G = meta + g_off;
+    if (tile >= (int)G[0]) return;
+    const int p0 = LT(G, C, 1, tile), n = LT(G, C, 2, tile), slot = LT(G, C, 3, tile);
+    const int r = (int)table[ranks_off + slot];
+    if (r == 0) return;
+    const int o = o0 + lane, oc = min(o, out - 1);
+    const int jl = (oc >= off1) + (oc >= off2); // this lane's slice
+    const int j_first = (o0 >= off1) + (o0 >= off2), j_last = (min(o0 + SG, out) - 1 >= off1) + (min(o0 + SG, out) - 1 >= off2);
+    const int W = n_slices * R;
+    __global const u32* perm = G + 1;
+    __global const float* b = B + (size_t)slot * R * b_ld + oc;
+    float d0[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, d1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = j_first; j <= j_last; j++) {
+        float8 acc0 = (float8)(0.f), acc1 = (float8)(0.f);
+        const bool mine = jl == j && o < out;
+        for (int k0 = 0; k0 < r; k0 += 16) {
+            uint bh[8], bl[8];
+            for (int q = 0; q < 8; q++) {
+                const int k = k0 + 2 * q;
+                const float v0 = mine && k < r ? b[(size_t)k * b_ld] : 0.f;
+                const float v1 = mine && k + 1 < r ? b[(size_t)(k + 1) * b_ld] : 0.f;
+                split2(v0, v1, &bh[q], &bl[q]);
+            }
+            const int8 bhi = as_int8(vload8(0, bh)), blo = as_int8(vload8(0, bl));
+            dpas_a hi, lo;
+#define TV0(m, k) (k0 + (k) < r ? t[(size_t)(p0 + (m)) * W + j * r + k0 + (k)] : 0.f)
+            LOAD_A_ROWS(TV0, n, lane, hi, lo);
+            acc0 = dpas3(hi, lo, bhi, blo, acc0);
+            if (n > 8) {
+#define TV1(m, k) (k0 + (k) < r ? t[(size_t)(p0 + 8 + (m)) * W + j * r + k0 + (k)] : 0.f)
+                LOAD_A_ROWS(TV1, n - 8, lane, hi, lo);
+                acc1 = dpas3(hi, lo, bhi, blo, acc1);
+            }
+        }
+        const float s = mine ? as_float(table[scal_off + slot * 3 + j]) : 0.f;
+        float r0[8], r1[8];
+        vstore8(acc0, 0, r0);
+        vstore8(acc1, 0, r1);
+        for (int m = 0; m < 8; m++) {
+            d0[m] += s * r0[m];
+            d1[m] += s * r1[m];
+        }
+    }
+    if (o >= out) return;
+    for (int m = 0; m < min(n, 16); m++) y[(size_t)perm[p0 + m] * out + o] += m < 8 ? d0[m] : d1[m - 8];
+}

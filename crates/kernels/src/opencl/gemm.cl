@@ -4,8 +4,10 @@
 // ran it and whatever rows shared the call (batch invariance, as the CPU's GEMM).
 //
 // - gemm_*: GEMM_T x GEMM_T output tiles, x and W staged in local memory GEMM_T inputs at a time.
-// - gemv_*: up to GEMV_ROWS rows (decode); a work-item per output column streams its W row once
-//   for all rows, x staged in local memory GEMV_KC inputs at a time.
+// - gemv_*: up to GEMV_ROWS rows (decode); a work-item per output column, W read once for all
+//   rows: the group's GEMV_WG rows of W and the x rows staged in local memory GEMV_KC inputs at a
+//   time, W loaded along k by consecutive work-items (coalesced), each column's chain over k in
+//   order.
 
 #ifndef GEMM_T
 #define GEMM_T 16
@@ -14,7 +16,7 @@
 #define GEMV_WG 64
 #endif
 #ifndef GEMV_KC
-#define GEMV_KC 256
+#define GEMV_KC 64
 #endif
 #define GEMV_ROWS 4
 
@@ -45,8 +47,8 @@
     void gemv_##SUFFIX(__global const float* x, __global const WT* w, __global const float* bias, int has_bias,                \
                        __global float* y, int M, int N, int K) {                                                               \
         __local float xs[GEMV_ROWS * GEMV_KC];                                                                                  \
-        const int lid = get_local_id(0), n = get_group_id(0) * GEMV_WG + lid;                                                   \
-        __global const WT* wr = w + (size_t)min(n, N - 1) * K;                                                                  \
+        __local float ws[GEMV_WG][GEMV_KC + 1];                                                                                 \
+        const int lid = get_local_id(0), n0 = get_group_id(0) * GEMV_WG, n = n0 + lid;                                         \
         float acc[GEMV_ROWS];                                                                                                   \
         for (int r = 0; r < GEMV_ROWS; r++) acc[r] = 0.f;                                                                       \
         for (int k0 = 0; k0 < K; k0 += GEMV_KC) {                                                                               \
@@ -55,9 +57,14 @@
                 const int r = e / GEMV_KC, kk = e - r * GEMV_KC;                                                                \
                 xs[e] = kk < kn ? x[(size_t)r * K + k0 + kk] : 0.f;                                                             \
             }                                                                                                                   \
+            /* W rows of the group's columns, read along k by consecutive work-items */                                         \
+            for (int c = 0; c < GEMV_WG; c++) {                                                                                 \
+                const int row = min(n0 + c, N - 1);                                                                             \
+                for (int kk = lid; kk < kn; kk += GEMV_WG) ws[c][kk] = LOADW(w[(size_t)row * K + k0 + kk]);                    \
+            }                                                                                                                   \
             barrier(CLK_LOCAL_MEM_FENCE);                                                                                       \
             for (int kk = 0; kk < kn; kk++) {                                                                                   \
-                const float wv = LOADW(wr[k0 + kk]);                                                                            \
+                const float wv = ws[lid][kk];                                                                                   \
                 for (int r = 0; r < GEMV_ROWS; r++)                                                                             \
                     if (r < M) acc[r] = fma(xs[r * GEMV_KC + kk], wv, acc[r]);                                                  \
             }                                                                                                                   \

@@ -2,17 +2,15 @@
 //! table mirrored as u32 + f32 words in one buffer), and `Device::lora_apply` as two launches
 //! over the tiles staged with the batch (kernels in `lora.cl`): the shrink `t = x · Aᵀ` (or the
 //! embedding's column gather) into a scratch buffer, then the expand with per-slice scaling and
-//! the add into the base output fused, for 1-, 2- and 3-slice sites alike.
+//! the add into the base output fused, for 1-, 2- and 3-slice sites alike. A DPAS kernel set runs
+//! both on the XMX units (`dpas_lora_shrink`, `dpas_lora_expand` in dpas.cl; the shrink where the
+//! input width is a multiple of 16); the embedding's gather is the portable kernel everywhere.
 
 use super::*;
 use crate::lora::{packed_len, LoraStorage, MAX_SLICES};
 
 /// Most rows per tile of the packed groups (`LORA_TILE` in lora.cl).
 pub(super) const TILE_ROWS: usize = 16;
-
-pub(super) fn local_mem_bytes(_set: &KernelSet) -> usize {
-    0
-}
 
 fn cl_buf(s: &LoraStorage) -> &ClBuf {
     match s {
@@ -78,6 +76,15 @@ impl OpenClDevice {
         }
         let t = st.lora_t.mem();
         match x {
+            LoraX::Dense(x) if self.dpas_lanes().is_some() && gemm::dpas_fits(sh.in_dim) => {
+                let lanes = self.dpas_lanes().unwrap();
+                self.launch(
+                    "dpas_lora_shrink",
+                    &[w.div_ceil(lanes) * lanes, tiles],
+                    Some(&[lanes, 1]),
+                    &[Arg::Mem(mem(x)), Arg::Mem(a), Arg::Mem(gm), Arg::I32(g_off), Arg::I32(cap as i32), Arg::Mem(table), Arg::I32(ranks_off), Arg::I32(sh.n_slices as i32), Arg::I32(sh.max_rank as i32), Arg::I32(sh.in_dim as i32), Arg::Mem(t)],
+                );
+            }
             LoraX::Dense(x) => {
                 self.launch(
                     "lora_shrink",
@@ -99,10 +106,15 @@ impl OpenClDevice {
         }
         let out = sh.out_dim();
         let off = |j: usize| if j < sh.n_slices { sh.offsets[j] } else { out } as i32;
+        let (name, global, local) = match self.dpas_lanes() {
+            Some(l) => ("dpas_lora_expand", [out.div_ceil(l) * l, tiles, 1], Some([l, 1, 1])),
+            None => ("lora_expand", [out, TILE_ROWS, tiles], None),
+        };
+        let dims = if local.is_some() { 2 } else { 3 };
         self.launch(
-            "lora_expand",
-            &[out, TILE_ROWS, tiles],
-            None,
+            name,
+            &global[..dims],
+            local.as_ref().map(|l| &l[..dims]),
             &[
                 Arg::Mem(t),
                 Arg::Mem(b),

@@ -5,8 +5,9 @@
 //! `opencl3` loads `libOpenCL.so.1` at run time, so every build has this device and a machine
 //! without OpenCL, or without an Intel GPU, gets an error naming what is missing. Our OpenCL C
 //! kernels (`common.cl`, `kernels.cl`, `gemm.cl`, `lora.cl`, and `dpas.cl` for Intel's matrix
-//! extension) are compiled at start-up for the device, tile sizes as `-D` defines
-//! (`QUIVER_OPENCL_DEFINES` adds more), so they can be tuned on real hardware without code changes.
+//! extension) are compiled at start-up for the device, tile sizes as `-D` defines from the same
+//! values the host's launch grids use (`tiles.rs`; `QUIVER_OPENCL_TILES` overrides them, so the
+//! kernels can be tuned on real hardware without a code change).
 //!
 //! Invariants:
 //! - One in-order command queue. Ops enqueue kernels and return; `to_host` is a blocking read,
@@ -30,6 +31,7 @@ mod memory;
 mod platform;
 mod program;
 pub mod testing;
+mod tiles;
 mod transfer;
 
 pub use kernel_set::KernelSet;
@@ -55,8 +57,6 @@ const ATTN_WG: usize = 64;
 const ATTN_DPW: usize = 4;
 /// Largest head the attention kernel holds.
 const MAX_HEAD_DIM: usize = ATTN_WG * ATTN_DPW;
-/// Largest work-group any portable kernel uses (the GEMM's 16 × 16 tile).
-const MAX_WORK_GROUP: usize = 256;
 
 /// A kernel argument.
 #[derive(Clone, Copy)]
@@ -78,6 +78,7 @@ pub struct OpenClDevice {
     name: String,
     caps: Caps,
     set: KernelSet,
+    tiles: tiles::Tiles,
     // Field order: kernels and buffers are released before the queue and the context.
     kernels: HashMap<String, Kernel>,
     state: Mutex<State>,
@@ -108,21 +109,21 @@ impl OpenClDevice {
 
     fn with_caps(kind: DeviceKind, caps: Caps, set: KernelSet) -> Result<Self> {
         let name = format!("{kind} ({}, {})", caps.name.trim(), caps.platform.trim());
-        if caps.max_work_group < MAX_WORK_GROUP {
-            bail!("{name}: work-groups of at most {} work-items; Quiver's OpenCL kernels need {MAX_WORK_GROUP}", caps.max_work_group);
+        let tiles = tiles::Tiles::from_env()?;
+        // Refused here, naming the limit, rather than failing a launch mid-step.
+        let need_wg = tiles.max_work_group().max(ROW_WG).max(ATTN_WG);
+        if caps.max_work_group < need_wg {
+            bail!("{name}: work-groups of at most {} work-items; Quiver's OpenCL kernels need {need_wg} (tiles {tiles:?})", caps.max_work_group);
         }
-        let need_local = gemm::local_mem_bytes(&set).max(lora::local_mem_bytes(&set));
+        // The attention kernel's q, s and slots arrays beside the GEMMs'.
+        let need_local = tiles.local_mem_bytes().max(ATTN_WG * (ATTN_DPW + 2) * 4);
         if caps.local_mem < need_local as u64 {
-            bail!("{name}: {} bytes of local memory; Quiver's OpenCL kernels need {need_local}", caps.local_mem);
+            bail!("{name}: {} bytes of local memory; Quiver's OpenCL kernels need {need_local} (tiles {tiles:?})", caps.local_mem);
         }
         let ctx = Context::from_device(&ClDevice::new(caps.id)).map_err(|e| anyhow!("{name}: creating an OpenCL context: {e}"))?;
         #[allow(deprecated)] // clCreateCommandQueue: the OpenCL 1.2 call every runtime has
         let queue = unsafe { CommandQueue::create(&ctx, caps.id, 0) }.map_err(|e| anyhow!("{name}: creating an OpenCL command queue: {e}"))?;
-        let mut options = format!("-cl-std=CL1.2 -DROW_WG={ROW_WG} -DATTN_WG={ATTN_WG} {}", gemm::defines(&set));
-        if let Ok(extra) = std::env::var("QUIVER_OPENCL_DEFINES") {
-            options.push(' ');
-            options.push_str(&extra);
-        }
+        let options = format!("-cl-std=CL1.2 -DROW_WG={ROW_WG} -DATTN_WG={ATTN_WG} {}", tiles.defines(&set));
         let mut kernels = HashMap::new();
         let sources = [
             program::Source { file: "kernels.cl", text: include_str!("kernels.cl") },
@@ -135,7 +136,7 @@ impl OpenClDevice {
         eprintln!("quiver: {name}: {}", set.describe());
         let allocated = Arc::new(AtomicUsize::new(0));
         let state = State::new(&ctx, &allocated)?;
-        Ok(OpenClDevice { kind, name, caps, set, kernels, state: Mutex::new(state), launch_lock: Mutex::new(()), queue, ctx, allocated })
+        Ok(OpenClDevice { kind, name, caps, set, tiles, kernels, state: Mutex::new(state), launch_lock: Mutex::new(()), queue, ctx, allocated })
     }
 
     pub fn name(&self) -> &str {
@@ -144,6 +145,14 @@ impl OpenClDevice {
 
     pub fn kernel_set(&self) -> KernelSet {
         self.set
+    }
+
+    /// The subgroup width of the DPAS kernels, when the device runs them.
+    fn dpas_lanes(&self) -> Option<usize> {
+        match self.set {
+            KernelSet::Dpas { lanes, .. } => Some(lanes),
+            KernelSet::Portable => None,
+        }
     }
 
     fn fail(&self, what: &str, e: impl std::fmt::Display) -> ! {

@@ -314,7 +314,7 @@ pub fn shape_keyed_steps_follow_the_adapter_mix(dev: Arc<dyn Device>) {
             }
         }
         let rel = (num / den.max(1e-30)).sqrt();
-        eprintln!("graph replay mix {n}: relative error {rel:.2e}");
+        eprintln!("shape-keyed step, mix {n}: relative error {rel:.2e}");
         assert!(rel <= TOL, "seed {seed}: replay with mix {n}: relative error {rel:.3e}");
     }
 }
