@@ -67,7 +67,9 @@ test-data: model venv
 clean-refs:
 	rm -rf $(CACHE)/ref
 
-# HTTP server end to end: real `openai` client, Prometheus parser, shutdown; starts and kills its
-# own servers on ephemeral ports.
+# HTTP server end to end: real `openai` client, Prometheus parser, shutdown; then the hostile-input
+# regressions and the 2,000-request soak (about 2 minutes). Each starts and kills its own servers
+# on ephemeral ports.
 test-server: model venv build
 	$(CACHE)/venv/bin/python tests/server/test_openai_api.py --quiver $(QUIVER)
+	$(CACHE)/venv/bin/python tests/server/test_hardening.py --quiver $(QUIVER)

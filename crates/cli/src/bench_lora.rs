@@ -149,7 +149,7 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
             let mut mgr = LoraManager::new(dims, cfg, m.device.clone())?;
             let mut keys: Vec<AdapterKey> = Vec::new();
             for ad in &adapters {
-                keys.push(mgr.add_adapter(&ad.name, "", ad.clone())?);
+                keys.push(mgr.install_adapter(&ad.name, ad.clone(), false)?);
             }
             for &ads in &a.adapters {
                 for &n in &a.rows {

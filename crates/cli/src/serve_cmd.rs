@@ -138,8 +138,8 @@ pub fn startup_adapters(a: &ServeArgs) -> Result<Vec<StartupAdapter>> {
         if !names.insert(s.name.clone()) {
             bail!("adapter name `{}` given twice", s.name);
         }
-        if s.name.contains(':') {
-            bail!("adapter name `{}` must not contain ':' (it separates base and adapter in `model`)", s.name);
+        if let Some(why) = quiver_server::limits::adapter_name_error(&s.name) {
+            bail!("adapter name `{}`: {why}", s.name);
         }
     }
     Ok(v)
@@ -187,6 +187,7 @@ pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
     }
     c.disable_prefix_cache = a.disable_prefix_cache;
     c.max_model_len = a.max_model_len;
+    c.lora_dir = a.lora_dir.clone();
     c.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(c)
 }
@@ -258,7 +259,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     println!("Quiver serving {}{} on http://{addr} (OpenAI API at http://{addr}/v1)", served[0], lora_note);
     let st = AppState::new(Arc::new(engine), scfg);
-    rt.block_on(quiver_server::serve_with_shutdown(st, listener, quiver_server::shutdown_signal()))?;
+    let served = rt.block_on(quiver_server::serve_with_shutdown(st, listener, quiver_server::shutdown_signal()));
+    // Dropping a runtime waits for every blocking task; one stuck in a read (an adapter load
+    // on a wedged filesystem) must not keep the process from exiting.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    served?;
     eprintln!("quiver: stopped");
     Ok(())
 }

@@ -58,6 +58,9 @@ pub struct EngineConfig {
     /// strictly first-come-first-served until it is admitted (no one may overtake it, e.g. by
     /// having its adapter already resident).
     pub aging_steps: u64,
+    /// `--lora-dir`: adapter files under it are read with the file sandbox (no symlinks,
+    /// every file resolving inside it).
+    pub lora_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -80,6 +83,7 @@ impl Default for EngineConfig {
             disable_prefix_cache: false,
             max_model_len: None,
             aging_steps: 32,
+            lora_dir: None,
         }
     }
 }

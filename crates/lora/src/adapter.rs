@@ -5,16 +5,25 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::SystemTime;
 
-use safetensors::{Dtype, SafeTensors};
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::Dtype;
 
+pub use crate::adapter_files::{FileStamp, ReadLimits};
+use crate::adapter_files::AdapterDir;
 use crate::config::{AdapterConfig, LoraModule};
 use crate::error::{LoraError, Result};
 use crate::LoraModelDims;
 
 pub const CONFIG_FILE: &str = "adapter_config.json";
 pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
+const ADDED_TOKENS_FILE: &str = "added_tokens.json";
+/// A PEFT header lists two small entries per module; a few MB covers the largest models.
+const MAX_HEADER_BYTES: u64 = 16 << 20;
+/// Bound on any element of a module's effective weights `scale·B·A`. Its delta lands in the
+/// residual stream, which the next RMSNorm squares: past √f32::MAX even a unit activation
+/// overflows to Inf and the sequence's logits turn to NaN.
+const MAX_EFFECTIVE_WEIGHT: f64 = 1.8446742e19;
 
 /// One module's low-rank pair.
 #[derive(Clone, Debug)]
@@ -26,21 +35,6 @@ pub struct ModuleWeights {
     pub a: Vec<f32>,
     /// `(out, rank)` row-major (embedding: `(hidden, rank)`).
     pub b: Vec<f32>,
-}
-
-/// Size and modification time of the weights file, to detect files rewritten on disk between
-/// a host-cache eviction and the reload (which would silently change a version's weights).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FileStamp {
-    pub len: u64,
-    pub modified: Option<SystemTime>,
-}
-
-impl FileStamp {
-    pub fn of(path: &Path) -> Option<FileStamp> {
-        let md = std::fs::metadata(path).ok()?;
-        Some(FileStamp { len: md.len(), modified: md.modified().ok() })
-    }
 }
 
 #[derive(Clone, Debug)]
@@ -97,154 +91,146 @@ fn parse_tensor_name(name: &str) -> Option<TensorSlot> {
     }
 }
 
-fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    Some(match dtype {
+/// A tensor name as it may appear in an error: names are file content, so only short
+/// identifier-like ones are echoed.
+fn shown(name: &str) -> String {
+    if name.len() <= 200 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_') {
+        name.to_string()
+    } else {
+        format!("<a {}-byte name that is not shown>", name.len())
+    }
+}
+
+fn to_f32(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
         Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
         Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
         Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        _ => return None,
-    })
+        _ => unreachable!("dtype checked against the header"),
+    }
+}
+
+/// A bound on every element of `scale·B·A`: by Cauchy-Schwarz `|(BA)_ij| <= |B_i,:|·|A_:,j|`,
+/// so the largest row norm of B times the largest column norm of A. One pass over each.
+fn effective_weight_bound(w: &ModuleWeights, din: usize) -> f64 {
+    let r = w.rank;
+    let mut col = vec![0f64; din];
+    for row in w.a.chunks_exact(din) {
+        for (c, &x) in col.iter_mut().zip(row) {
+            *c += (x as f64) * (x as f64);
+        }
+    }
+    let max_a = col.iter().fold(0f64, |m, &c| m.max(c)).sqrt();
+    let max_b = w.b.chunks_exact(r).map(|row| row.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()).fold(0f64, f64::max).sqrt();
+    (w.scaling as f64).abs() * max_a * max_b
+}
+
+/// What the header promises for one targeted module, checked before any data is read.
+struct Planned {
+    layer: Option<usize>,
+    module: LoraModule,
+    rank: usize,
+    scaling: f32,
+    a: (String, TensorInfo),
+    b: (String, TensorInfo),
 }
 
 impl LoraAdapter {
-    /// Loads and validates the PEFT adapter in directory `dir` for a model of `dims`.
+    /// Loads and validates the PEFT adapter in directory `dir` for a model of `dims`, with the
+    /// default limits (no sandbox, no rank bound).
     pub fn load(name: &str, dir: &Path, dims: &LoraModelDims) -> Result<Self> {
-        let file_err = |file: &str, reason: String| LoraError::File { adapter: name.to_string(), file: file.to_string(), reason };
-        if !dir.is_dir() {
-            return Err(file_err(&dir.display().to_string(), "not a directory (expected a PEFT adapter directory)".into()));
-        }
-        let cfg_path = dir.join(CONFIG_FILE);
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| file_err(&cfg_path.display().to_string(), format!("cannot read: {e}")))?;
+        Self::load_with(name, dir, dims, &ReadLimits::default())
+    }
+
+    /// Loads under `limits`. Files are read into owned memory with checked lengths; the
+    /// safetensors header is validated against the config and the model's shapes (and the
+    /// rank bound) before any tensor data is allocated or read.
+    pub fn load_with(name: &str, dir: &Path, dims: &LoraModelDims, limits: &ReadLimits) -> Result<Self> {
+        let d = AdapterDir::new(name, dir, limits)?;
+        let text = d.read_text(CONFIG_FILE)?;
         let config = AdapterConfig::parse(name, &text)?;
 
-        let added = dir.join("added_tokens.json");
-        if added.exists() {
-            let t = std::fs::read_to_string(&added).unwrap_or_default();
+        if d.exists(ADDED_TOKENS_FILE) {
+            let t = d.read_text(ADDED_TOKENS_FILE)?;
             let empty = serde_json::from_str::<serde_json::Value>(&t).ok().and_then(|v| v.as_object().map(|o| o.is_empty())).unwrap_or(false);
             if !empty {
                 return Err(LoraError::Config {
                     adapter: name.into(),
-                    field: "added_tokens.json".into(),
+                    field: ADDED_TOKENS_FILE.into(),
                     reason: "adapters that add tokens to the vocabulary are not supported".into(),
                 });
             }
         }
 
-        let wpath = dir.join(WEIGHTS_FILE);
-        if !wpath.exists() {
-            if dir.join("adapter_model.bin").exists() {
+        if !d.exists(WEIGHTS_FILE) {
+            if d.exists("adapter_model.bin") {
                 return Err(LoraError::Config {
                     adapter: name.into(),
                     field: "adapter_model.bin".into(),
                     reason: "only pickled .bin weights found; convert the adapter to adapter_model.safetensors (pickle is not loaded for safety)".into(),
                 });
             }
-            return Err(file_err(&wpath.display().to_string(), "missing (expected adapter_model.safetensors)".into()));
+            return Err(d.err(WEIGHTS_FILE, "missing (expected adapter_model.safetensors)"));
         }
-        let wfile = wpath.display().to_string();
-        let f = std::fs::File::open(&wpath).map_err(|e| file_err(&wfile, format!("cannot open: {e}")))?;
-        let stamp = FileStamp::of(&wpath);
-        if f.metadata().map(|m| m.len()).unwrap_or(0) == 0 {
-            return Err(file_err(&wfile, "empty file".into()));
+        let mut f = d.open(WEIGHTS_FILE, limits.max_weights_bytes)?;
+        if f.len == 0 {
+            return Err(d.err(WEIGHTS_FILE, "empty file"));
         }
-        // SAFETY: the map is read-only and dropped before returning; a concurrent writer can
-        // only corrupt the values we copy out, which the finiteness check then catches.
-        let mmap = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| file_err(&wfile, format!("cannot map: {e}")))?;
-        let st = SafeTensors::deserialize(&mmap).map_err(|e| file_err(&wfile, format!("not a valid safetensors file: {e}")))?;
-
-        let terr = |tensor: &str, reason: String| LoraError::Tensor { adapter: name.into(), file: WEIGHTS_FILE.into(), tensor: tensor.into(), reason };
-
-        let mut found: HashMap<TensorSlot, (String, Vec<f32>, usize, usize)> = HashMap::new();
-        for (tname, view) in st.tensors() {
-            let slot = parse_tensor_name(&tname).ok_or_else(|| terr(&tname, "unknown tensor name (expected PEFT LoRA names for q/k/v/o/gate/up/down_proj, embed_tokens or lm_head)".into()))?;
-            let (layer, module) = match slot {
-                TensorSlot::A(l, m) | TensorSlot::B(l, m) => (l, m),
-            };
-            if let Some(l) = layer {
-                if l >= dims.num_layers {
-                    return Err(terr(&tname, format!("layer {l} does not exist (the model has {} layers)", dims.num_layers)));
-                }
-            }
-            let path = module.path(layer.unwrap_or(0));
-            if !config.targets_path(&path) {
-                return Err(terr(&tname, format!("module `{path}` is not targeted by adapter_config.json (target_modules / exclude_modules / layers_to_transform)")));
-            }
-            let shape = view.shape();
-            if shape.len() != 2 {
-                return Err(terr(&tname, format!("expected a 2-D tensor, got shape {shape:?}")));
-            }
-            let data = to_f32(view.dtype(), view.data()).ok_or_else(|| terr(&tname, format!("unsupported dtype {:?} (expected F32, F16 or BF16)", view.dtype())))?;
-            if data.len() != shape[0] * shape[1] {
-                return Err(terr(&tname, "data length does not match its shape".into()));
-            }
-            if let Some(i) = data.iter().position(|x| !x.is_finite()) {
-                return Err(terr(&tname, format!("non-finite value {} at element {i}", data[i])));
-            }
-            found.insert(slot, (tname.to_string(), data, shape[0], shape[1]));
+        let invalid = |why: String| d.err(WEIGHTS_FILE, format!("not a valid safetensors file: {why}"));
+        if f.len < 8 {
+            return Err(invalid(format!("{} bytes, shorter than the 8-byte header length", f.len)));
         }
-        if found.is_empty() {
-            return Err(file_err(&wfile, "contains no LoRA tensors".into()));
+        let mut buf = Vec::new();
+        f.read_into(&mut buf, 8, &d)?;
+        let n = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
+        if n > MAX_HEADER_BYTES || n > f.len - 8 {
+            return Err(invalid(format!("header length {n} exceeds the file ({} bytes) or the {MAX_HEADER_BYTES}-byte limit", f.len)));
+        }
+        buf.clear();
+        f.read_into(&mut buf, n as usize, &d)?;
+        // serde's messages can quote the offending text, so only the position is reported.
+        let meta: Metadata = serde_json::from_slice(&buf).map_err(|e| invalid(format!("bad header at line {} column {}", e.line(), e.column())))?;
+        let data_len = meta.data_len() as u64;
+        if 8 + n + data_len != f.len {
+            return Err(invalid(format!("the header describes {data_len} bytes of tensor data but the file holds {}", f.len - 8 - n)));
         }
 
-        // Shape and presence checks per targeted module; the error names the PEFT tensor.
-        let mut take = |layer: Option<usize>, m: LoraModule| -> Result<Option<ModuleWeights>> {
-            let path = m.path(layer.unwrap_or(0));
-            let a = found.remove(&TensorSlot::A(layer, m));
-            let b = found.remove(&TensorSlot::B(layer, m));
-            let prefix = "base_model.model.";
-            let (an, bn) = match m {
-                LoraModule::EmbedTokens => (format!("{prefix}{path}.lora_embedding_A"), format!("{prefix}{path}.lora_embedding_B")),
-                _ => (format!("{prefix}{path}.lora_A.weight"), format!("{prefix}{path}.lora_B.weight")),
-            };
-            if !config.targets_path(&path) {
-                return Ok(None);
+        let plan = plan_modules(name, &config, dims, limits.max_rank, &meta)?;
+        let terr = |tensor: &str, reason: String| LoraError::Tensor { adapter: name.into(), file: WEIGHTS_FILE.into(), tensor: shown(tensor), reason };
+
+        // Only now, with every shape proven to match, is the data read (at most the file).
+        let mut data = Vec::new();
+        f.read_into(&mut data, data_len as usize, &d)?;
+        if !f.unchanged() {
+            return Err(d.err(WEIGHTS_FILE, "changed on disk while it was being read; load it again once it is written"));
+        }
+        let tensor = |(tname, info): &(String, TensorInfo)| -> Result<Vec<f32>> {
+            let v = to_f32(info.dtype, &data[info.data_offsets.0..info.data_offsets.1]);
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(terr(tname, format!("non-finite value {} at element {i}", v[i])));
             }
-            let (a, b) = match (a, b) {
-                (Some(a), Some(b)) => (a, b),
-                (None, _) => return Err(terr(&an, format!("missing (module `{path}` is targeted by adapter_config.json)"))),
-                (_, None) => return Err(terr(&bn, format!("missing (module `{path}` is targeted by adapter_config.json)"))),
-            };
-            let (r, scaling) = config.rank_scaling(&path);
-            let (din, dout) = dims.module_dims(m);
-            let (ref aname, adata, ar, ac) = a;
-            let (ref bname, bdata, br, bc) = b;
-            if (ar, ac) != (r, din) {
-                let why = if (ar, ac) == (din, r) && din != r {
-                    format!("shape [{ar}, {ac}] looks transposed: lora_A must be [r={r}, in={din}]")
-                } else if ac == din {
-                    format!("rank {ar} but adapter_config.json gives r={r} for `{path}` (r / rank_pattern mismatch)")
-                } else {
-                    format!("shape [{ar}, {ac}] does not match [r={r}, in={din}]")
-                };
-                return Err(terr(aname, why));
-            }
-            if (br, bc) != (dout, r) {
-                let why = if (br, bc) == (r, dout) && dout != r {
-                    format!("shape [{br}, {bc}] looks transposed: lora_B must be [out={dout}, r={r}]")
-                } else if br == dout {
-                    format!("rank {bc} but adapter_config.json gives r={r} for `{path}` (r / rank_pattern mismatch)")
-                } else {
-                    format!("shape [{br}, {bc}] does not match [out={dout}, r={r}]")
-                };
-                return Err(terr(bname, why));
-            }
-            Ok(Some(ModuleWeights { rank: r, scaling, a: adata, b: bdata }))
+            Ok(v)
         };
 
-        let mut modules = Vec::with_capacity(dims.num_layers * 7);
-        for l in 0..dims.num_layers {
-            for m in LoraModule::PROJECTIONS {
-                modules.push(take(Some(l), m)?);
+        let mut modules: Vec<Option<ModuleWeights>> = vec![None; dims.num_layers * 7];
+        let (mut embed_tokens, mut lm_head) = (None, None);
+        for p in &plan {
+            let w = ModuleWeights { rank: p.rank, scaling: p.scaling, a: tensor(&p.a)?, b: tensor(&p.b)? };
+            let path = p.module.path(p.layer.unwrap_or(0));
+            let bound = effective_weight_bound(&w, dims.module_dims(p.module).0);
+            if !bound.is_finite() || bound > MAX_EFFECTIVE_WEIGHT {
+                return Err(terr(
+                    &p.b.0,
+                    format!("module `{path}`: its effective weights scale·B·A (scale {}) can reach {bound:.3e}, beyond the {MAX_EFFECTIVE_WEIGHT:.1e} f32 activations survive (the output would be Inf/NaN)", p.scaling),
+                ));
+            }
+            match (p.layer, p.module) {
+                (None, LoraModule::EmbedTokens) => embed_tokens = Some(w),
+                (None, _) => lm_head = Some(w),
+                (Some(l), m) => modules[l * 7 + proj_index(m)] = Some(w),
             }
         }
-        let embed_tokens = take(None, LoraModule::EmbedTokens)?;
-        let lm_head = take(None, LoraModule::LmHead)?;
-        // Anything left is an A without its B (or vice versa) for an untargeted module; the
-        // targeting check above already refused those, so this is a safety net.
-        if let Some((_, (tname, ..))) = found.into_iter().next() {
-            return Err(terr(&tname, "has no matching lora_A/lora_B partner".into()));
-        }
-        Ok(LoraAdapter { name: name.into(), path: dir.to_path_buf(), config, num_layers: dims.num_layers, modules, embed_tokens, lm_head, stamp })
+        Ok(LoraAdapter { name: name.into(), path: dir.to_path_buf(), config, num_layers: dims.num_layers, modules, embed_tokens, lm_head, stamp: Some(f.stamp) })
     }
 
     /// An in-memory adapter with random weights on every layer of `modules` at rank `rank`
@@ -336,4 +322,103 @@ impl LoraAdapter {
         let w = |m: &ModuleWeights| (m.a.len() + m.b.len()) * 4;
         self.modules.iter().flatten().map(w).sum::<usize>() + self.embed_tokens.iter().map(w).sum::<usize>() + self.lm_head.iter().map(w).sum::<usize>()
     }
+}
+
+/// Checks every tensor the header lists against the config and the model (names, layers,
+/// targeting, dtype, shapes, rank bound) and pairs them per module, so that a file whose
+/// header promises the wrong tensors is refused before its data is read.
+fn plan_modules(name: &str, config: &AdapterConfig, dims: &LoraModelDims, max_rank: Option<usize>, meta: &Metadata) -> Result<Vec<Planned>> {
+    let terr = |tensor: &str, reason: String| LoraError::Tensor { adapter: name.into(), file: WEIGHTS_FILE.into(), tensor: shown(tensor), reason };
+    let mut found: HashMap<TensorSlot, (String, TensorInfo)> = HashMap::new();
+    let mut names: Vec<(String, &TensorInfo)> = meta.tensors().into_iter().collect();
+    // Deterministic errors: the first offending tensor in file order.
+    names.sort_by_key(|(_, i)| i.data_offsets);
+    for (tname, info) in names {
+        let slot = parse_tensor_name(&tname).ok_or_else(|| terr(&tname, "unknown tensor name (expected PEFT LoRA names for q/k/v/o/gate/up/down_proj, embed_tokens or lm_head)".into()))?;
+        let (layer, module) = match slot {
+            TensorSlot::A(l, m) | TensorSlot::B(l, m) => (l, m),
+        };
+        if let Some(l) = layer {
+            if l >= dims.num_layers {
+                return Err(terr(&tname, format!("layer {l} does not exist (the model has {} layers)", dims.num_layers)));
+            }
+        }
+        let path = module.path(layer.unwrap_or(0));
+        if !config.targets_path(&path) {
+            return Err(terr(&tname, format!("module `{path}` is not targeted by adapter_config.json (target_modules / exclude_modules / layers_to_transform)")));
+        }
+        if info.shape.len() != 2 {
+            return Err(terr(&tname, format!("expected a 2-D tensor, got {} dimensions", info.shape.len())));
+        }
+        if !matches!(info.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+            return Err(terr(&tname, format!("unsupported dtype {:?} (expected F32, F16 or BF16)", info.dtype)));
+        }
+        found.insert(slot, (tname, info.clone()));
+    }
+    if found.is_empty() {
+        return Err(LoraError::File { adapter: name.into(), file: WEIGHTS_FILE.into(), reason: "contains no LoRA tensors".into() });
+    }
+
+    // Shape and presence checks per targeted module; the error names the PEFT tensor.
+    let mut take = |layer: Option<usize>, m: LoraModule| -> Result<Option<Planned>> {
+        let path = m.path(layer.unwrap_or(0));
+        let a = found.remove(&TensorSlot::A(layer, m));
+        let b = found.remove(&TensorSlot::B(layer, m));
+        let prefix = "base_model.model.";
+        let (an, bn) = match m {
+            LoraModule::EmbedTokens => (format!("{prefix}{path}.lora_embedding_A"), format!("{prefix}{path}.lora_embedding_B")),
+            _ => (format!("{prefix}{path}.lora_A.weight"), format!("{prefix}{path}.lora_B.weight")),
+        };
+        if !config.targets_path(&path) {
+            return Ok(None);
+        }
+        let (a, b) = match (a, b) {
+            (Some(a), Some(b)) => (a, b),
+            (None, _) => return Err(terr(&an, format!("missing (module `{path}` is targeted by adapter_config.json)"))),
+            (_, None) => return Err(terr(&bn, format!("missing (module `{path}` is targeted by adapter_config.json)"))),
+        };
+        let (r, scaling) = config.rank_scaling(&path);
+        let (din, dout) = dims.module_dims(m);
+        let (ar, ac) = (a.1.shape[0], a.1.shape[1]);
+        let (br, bc) = (b.1.shape[0], b.1.shape[1]);
+        if (ar, ac) != (r, din) {
+            let why = if (ar, ac) == (din, r) && din != r {
+                format!("shape [{ar}, {ac}] looks transposed: lora_A must be [r={r}, in={din}]")
+            } else if ac == din {
+                format!("rank {ar} but adapter_config.json gives r={r} for `{path}` (r / rank_pattern mismatch)")
+            } else {
+                format!("shape [{ar}, {ac}] does not match [r={r}, in={din}]")
+            };
+            return Err(terr(&a.0, why));
+        }
+        if (br, bc) != (dout, r) {
+            let why = if (br, bc) == (r, dout) && dout != r {
+                format!("shape [{br}, {bc}] looks transposed: lora_B must be [out={dout}, r={r}]")
+            } else if br == dout {
+                format!("rank {bc} but adapter_config.json gives r={r} for `{path}` (r / rank_pattern mismatch)")
+            } else {
+                format!("shape [{br}, {bc}] does not match [out={dout}, r={r}]")
+            };
+            return Err(terr(&b.0, why));
+        }
+        if let Some(max) = max_rank.filter(|&max| r > max) {
+            return Err(LoraError::Incompatible { adapter: name.into(), module: m.name().into(), reason: format!("rank {r} exceeds max_lora_rank {max}") });
+        }
+        Ok(Some(Planned { layer, module: m, rank: r, scaling, a, b }))
+    };
+
+    let mut plan = Vec::new();
+    for l in 0..dims.num_layers {
+        for m in LoraModule::PROJECTIONS {
+            plan.extend(take(Some(l), m)?);
+        }
+    }
+    plan.extend(take(None, LoraModule::EmbedTokens)?);
+    plan.extend(take(None, LoraModule::LmHead)?);
+    // Anything left is an A without its B (or vice versa) for an untargeted module; the
+    // targeting check above already refused those, so this is a safety net.
+    if let Some((_, (tname, _))) = found.into_iter().next() {
+        return Err(terr(&tname, "has no matching lora_A/lora_B partner".into()));
+    }
+    Ok(plan)
 }

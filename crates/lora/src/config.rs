@@ -166,9 +166,22 @@ fn non_empty(v: Option<&Value>) -> bool {
     }
 }
 
-fn pattern_regex(adapter: &str, field: &str, key: &str) -> Result<Regex> {
-    Regex::new(&format!(r"^(?:.*\.)?(?:{key})$"))
-        .map_err(|e| cfg_err(adapter, field, format!("key `{key}` is not a valid regex: {e}")))
+/// What kind of JSON value `v` is. Errors describe values by kind and keys by position: the
+/// file may not be an adapter config at all (a symlink to a secret), so its content is never
+/// echoed.
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn pattern_regex(adapter: &str, field: &str, i: usize, key: &str) -> Result<Regex> {
+    Regex::new(&format!(r"^(?:.*\.)?(?:{key})$")).map_err(|_| cfg_err(adapter, field, format!("key #{} is not a valid regex", i + 1)))
 }
 
 impl AdapterConfig {
@@ -177,14 +190,14 @@ impl AdapterConfig {
         let v: Value = serde_json::from_str(text).map_err(|e| LoraError::File {
             adapter: adapter.to_string(),
             file: "adapter_config.json".into(),
-            reason: format!("not valid JSON: {e}"),
+            reason: format!("not valid JSON (line {} column {})", e.line(), e.column()),
         })?;
         let obj = v.as_object().ok_or_else(|| cfg_err(adapter, "adapter_config.json", "expected a JSON object"))?;
         let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
 
         if let Some(t) = get("peft_type") {
             if t.as_str() != Some("LORA") {
-                return Err(cfg_err(adapter, "peft_type", format!("{t} is not supported; only LORA adapters can be served")));
+                return Err(cfg_err(adapter, "peft_type", format!("{} is not supported; only LORA adapters can be served", if t.is_string() { "this type" } else { kind(t) })));
             }
         }
         if get("use_dora").and_then(Value::as_bool).unwrap_or(false) {
@@ -198,7 +211,7 @@ impl AdapterConfig {
         }
         if let Some(b) = get("bias") {
             if b.as_str() != Some("none") {
-                return Err(cfg_err(adapter, "bias", format!("{b}: trained biases are not supported (bias must be \"none\")")));
+                return Err(cfg_err(adapter, "bias", "trained biases are not supported (bias must be \"none\")"));
             }
         }
         if get("lora_bias").and_then(Value::as_bool).unwrap_or(false) {
@@ -210,33 +223,37 @@ impl AdapterConfig {
 
         let r = match get("r") {
             None => 8,
-            Some(x) => x.as_u64().filter(|&r| r > 0).ok_or_else(|| cfg_err(adapter, "r", format!("{x} is not a positive integer")))?
+            Some(x) => x.as_u64().filter(|&r| r > 0).ok_or_else(|| cfg_err(adapter, "r", format!("must be a positive integer, got {}", kind(x))))?
                 as usize,
         };
         let lora_alpha = match get("lora_alpha") {
             None => 8.0,
-            Some(x) => x.as_f64().ok_or_else(|| cfg_err(adapter, "lora_alpha", format!("{x} is not a number")))? as f32,
+            Some(x) => x.as_f64().ok_or_else(|| cfg_err(adapter, "lora_alpha", format!("must be a number, got {}", kind(x))))? as f32,
         };
+        if !lora_alpha.is_finite() {
+            return Err(cfg_err(adapter, "lora_alpha", "is outside the f32 range (the scaling would be infinite)"));
+        }
         let use_rslora = get("use_rslora").and_then(Value::as_bool).unwrap_or(false);
         let fan_in_fan_out = get("fan_in_fan_out").and_then(Value::as_bool).unwrap_or(false);
 
         let mut rank_pattern = Vec::new();
         if let Some(p) = get("rank_pattern") {
             let p = p.as_object().ok_or_else(|| cfg_err(adapter, "rank_pattern", "expected an object"))?;
-            for (k, v) in p {
+            for (i, (k, v)) in p.iter().enumerate() {
                 let rk = v
                     .as_u64()
                     .filter(|&x| x > 0)
-                    .ok_or_else(|| cfg_err(adapter, "rank_pattern", format!("rank for `{k}` is {v}, not a positive integer")))?;
-                rank_pattern.push((k.clone(), pattern_regex(adapter, "rank_pattern", k)?, rk as usize));
+                    .ok_or_else(|| cfg_err(adapter, "rank_pattern", format!("the rank of key #{} must be a positive integer, got {}", i + 1, kind(v))))?;
+                rank_pattern.push((k.clone(), pattern_regex(adapter, "rank_pattern", i, k)?, rk as usize));
             }
         }
         let mut alpha_pattern = Vec::new();
         if let Some(p) = get("alpha_pattern") {
             let p = p.as_object().ok_or_else(|| cfg_err(adapter, "alpha_pattern", "expected an object"))?;
-            for (k, v) in p {
-                let a = v.as_f64().ok_or_else(|| cfg_err(adapter, "alpha_pattern", format!("alpha for `{k}` is {v}, not a number")))?;
-                alpha_pattern.push((k.clone(), pattern_regex(adapter, "alpha_pattern", k)?, a as f32));
+            for (i, (k, v)) in p.iter().enumerate() {
+                let a = v.as_f64().map(|a| a as f32).filter(|a| a.is_finite());
+                let a = a.ok_or_else(|| cfg_err(adapter, "alpha_pattern", format!("the alpha of key #{} must be a number in the f32 range, got {}", i + 1, kind(v))))?;
+                alpha_pattern.push((k.clone(), pattern_regex(adapter, "alpha_pattern", i, k)?, a));
             }
         }
 
@@ -245,15 +262,14 @@ impl AdapterConfig {
                 Value::String(s) if field == "target_modules" && s == "all-linear" => Ok(ModuleMatcher::List(
                     LoraModule::PROJECTIONS.iter().map(|m| m.name().to_string()).collect(),
                 )),
-                Value::String(s) => Regex::new(s)
-                    .map(ModuleMatcher::Regex)
-                    .map_err(|e| cfg_err(adapter, field, format!("`{s}` is not a valid regex: {e}"))),
+                Value::String(s) => Regex::new(s).map(ModuleMatcher::Regex).map_err(|_| cfg_err(adapter, field, "is not a valid regex")),
                 Value::Array(a) => a
                     .iter()
-                    .map(|x| x.as_str().map(str::to_string).ok_or_else(|| cfg_err(adapter, field, format!("entry {x} is not a string"))))
+                    .enumerate()
+                    .map(|(i, x)| x.as_str().map(str::to_string).ok_or_else(|| cfg_err(adapter, field, format!("entry #{} must be a string, got {}", i + 1, kind(x)))))
                     .collect::<Result<Vec<_>>>()
                     .map(ModuleMatcher::List),
-                other => Err(cfg_err(adapter, field, format!("expected a list or a string, got {other}"))),
+                other => Err(cfg_err(adapter, field, format!("expected a list or a string, got {}", kind(other)))),
             }
         };
         let target_modules = match get("target_modules") {
@@ -265,23 +281,26 @@ impl AdapterConfig {
 
         let layers_to_transform = match get("layers_to_transform") {
             None => None,
-            Some(Value::Number(n)) => Some(vec![n.as_u64().ok_or_else(|| cfg_err(adapter, "layers_to_transform", format!("{n} is not a layer index")))? as usize]),
+            Some(Value::Number(n)) => Some(vec![n.as_u64().ok_or_else(|| cfg_err(adapter, "layers_to_transform", "is not a layer index"))? as usize]),
             Some(Value::Array(a)) => Some(
                 a.iter()
-                    .map(|x| x.as_u64().map(|x| x as usize).ok_or_else(|| cfg_err(adapter, "layers_to_transform", format!("{x} is not a layer index"))))
+                    .enumerate()
+                    .map(|(i, x)| x.as_u64().map(|x| x as usize).ok_or_else(|| cfg_err(adapter, "layers_to_transform", format!("entry #{} is not a layer index", i + 1))))
                     .collect::<Result<Vec<_>>>()?,
             ),
-            Some(other) => return Err(cfg_err(adapter, "layers_to_transform", format!("expected an integer or a list, got {other}"))),
+            Some(other) => return Err(cfg_err(adapter, "layers_to_transform", format!("expected an integer or a list, got {}", kind(other)))),
         };
         let pattern_names: Vec<String> = match get("layers_pattern") {
             None => vec![],
             Some(Value::String(s)) => vec![s.clone()],
             Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_str().map(str::to_string)).collect(),
-            Some(other) => return Err(cfg_err(adapter, "layers_pattern", format!("expected a string or a list, got {other}"))),
+            Some(other) => return Err(cfg_err(adapter, "layers_pattern", format!("expected a string or a list, got {}", kind(other)))),
         };
         let layers_pattern = pattern_names
             .iter()
-            .map(|p| Regex::new(&format!(r"^.*\.{p}\.(\d+)\.")).map_err(|e| cfg_err(adapter, "layers_pattern", format!("`{p}`: {e}"))))
+            // Grouped, so an alternation in the pattern cannot swallow the index group (PEFT's
+            // unguarded `.*\.{p}\.(\d+)\.` then has no group 1; a fuzzer found the panic).
+            .map(|p| Regex::new(&format!(r"^.*\.(?:{p})\.(\d+)\.")).map_err(|_| cfg_err(adapter, "layers_pattern", "is not a valid regex")))
             .collect::<Result<Vec<_>>>()?;
 
         Ok(AdapterConfig {
@@ -302,9 +321,9 @@ impl AdapterConfig {
     fn layer_index(&self, path: &str) -> Option<usize> {
         if self.layers_pattern.is_empty() {
             let re = Regex::new(r"^.*\.[^.]*\.(\d+)\.").expect("static regex");
-            return re.captures(path).and_then(|c| c[1].parse().ok());
+            return re.captures(path).and_then(|c| c.get(1)?.as_str().parse().ok());
         }
-        self.layers_pattern.iter().find_map(|re| re.captures(path).and_then(|c| c[1].parse().ok()))
+        self.layers_pattern.iter().find_map(|re| re.captures(path).and_then(|c| c.get(1)?.as_str().parse().ok()))
     }
 
     /// Whether PEFT would wrap the module at `path` with LoRA.

@@ -9,6 +9,7 @@
 //! - [`config`]: PEFT `adapter_config.json` semantics (rsLoRA, rank/alpha patterns, target and
 //!   exclude matching, `layers_to_transform`) and every refusal.
 //! - [`adapter`]: one adapter's weights in host memory, validated against the model dims.
+//! - [`adapter_files`]: bounded, sandboxed reads of an adapter directory's files.
 //! - [`mem_pool`]: the preallocated slot buffers the kernels read.
 //! - [`eviction_policy`]: LRU / FIFO victim choice over slots.
 //! - [`registry`]: names, versions, in-flight counts and the host-memory cache.
@@ -34,6 +35,7 @@
 //! into B. Rows with no adapter are in no slot and no segment.
 
 pub mod adapter;
+pub mod adapter_files;
 pub mod backend;
 pub mod batch;
 pub mod config;
@@ -43,7 +45,7 @@ pub mod manager;
 pub mod mem_pool;
 pub mod registry;
 
-pub use adapter::LoraAdapter;
+pub use adapter::{LoraAdapter, ReadLimits};
 pub use backend::{backend_names, validate_backend, LoraBackend, SiteRef};
 pub use batch::LoraBatchInfo;
 pub use config::{AdapterConfig, LoraModule};

@@ -62,6 +62,8 @@ pub struct LoraManager {
     batch: LoraBatchInfo,
     batch_keys: Vec<AdapterKey>,
     seq_slots: Vec<Option<u32>>,
+    /// See [`LoraManager::set_disk_reload`].
+    disk_reload: bool,
 }
 
 impl LoraManager {
@@ -87,6 +89,7 @@ impl LoraManager {
             registry: LoraRegistry::new(config.max_loaded_loras),
             batch_keys: Vec::with_capacity(s + 1),
             seq_slots: Vec::with_capacity(config.max_batch_tokens),
+            disk_reload: true,
             dims,
             config,
             device: kind,
@@ -122,11 +125,22 @@ impl LoraManager {
         if self.registry.resolve(name).is_some() {
             return Err(LoraError::AlreadyLoaded(name.to_string()));
         }
+        let adapter = self.read_adapter(name, path.as_ref())?;
+        self.install_adapter(name, adapter, pinned)
+    }
+
+    /// [`Self::load_adapter_with`] for weights already read (by the engine's loader thread, so
+    /// that the thread owning the manager does no file I/O). Its `path` is recorded.
+    pub fn install_adapter(&mut self, name: &str, adapter: LoraAdapter, pinned: bool) -> Result<AdapterKey> {
+        if self.registry.resolve(name).is_some() {
+            return Err(LoraError::AlreadyLoaded(name.to_string()));
+        }
         if pinned {
             self.check_can_pin()?;
         }
-        let adapter = self.read_adapter(name, path.as_ref())?;
-        let (key, _) = self.registry.insert(name, path.as_ref(), adapter, false);
+        adapter.check_compatible(self.pool.max_rank(), self.pool.modules())?;
+        let path = adapter.path.clone();
+        let (key, _) = self.registry.insert(name, &path, adapter, false);
         if pinned {
             if let Err(e) = self.pin(name, true) {
                 self.remove_version(key);
@@ -137,26 +151,21 @@ impl LoraManager {
         Ok(key)
     }
 
-    /// Registers weights already in memory (read and validated elsewhere, or made by
-    /// [`LoraAdapter::synthetic`]) under a new name. `path` is where a host-cache eviction would
-    /// reload them from.
-    pub fn add_adapter(&mut self, name: &str, path: impl AsRef<Path>, adapter: LoraAdapter) -> Result<AdapterKey> {
-        if self.registry.resolve(name).is_some() {
-            return Err(LoraError::AlreadyLoaded(name.to_string()));
-        }
-        adapter.check_compatible(self.pool.max_rank(), self.pool.modules())?;
-        let (key, _) = self.registry.insert(name, path.as_ref(), adapter, false);
-        self.registry.enforce_host_cap(&[key]);
-        Ok(key)
-    }
-
     /// Loads new weights under an existing name: a new version; requests holding the old one
     /// keep it until they release it. Pinning carries over.
     pub fn replace_adapter(&mut self, name: &str, path: impl AsRef<Path>) -> Result<AdapterKey> {
+        self.registry.resolve(name).ok_or_else(|| LoraError::UnknownAdapter(name.to_string()))?;
+        let adapter = self.read_adapter(name, path.as_ref())?;
+        self.install_replacement(name, adapter)
+    }
+
+    /// [`Self::replace_adapter`] for weights already read.
+    pub fn install_replacement(&mut self, name: &str, adapter: LoraAdapter) -> Result<AdapterKey> {
         let old = self.registry.resolve(name).ok_or_else(|| LoraError::UnknownAdapter(name.to_string()))?;
         let was_pinned = self.registry.versions.get(&old.version).is_some_and(|e| e.pinned);
-        let adapter = self.read_adapter(name, path.as_ref())?;
-        let (key, _) = self.registry.insert(name, path.as_ref(), adapter, false);
+        adapter.check_compatible(self.pool.max_rank(), self.pool.modules())?;
+        let path = adapter.path.clone();
+        let (key, _) = self.registry.insert(name, &path, adapter, false);
         if let Some(s) = self.pool.slot_of(old) {
             self.pool.set_pinned(s, false);
         }
@@ -166,6 +175,32 @@ impl LoraManager {
         }
         self.registry.enforce_host_cap(&[key]);
         Ok(key)
+    }
+
+    /// Whether a host-cache miss may read the adapter's files again on the calling thread
+    /// (default: yes). The engine turns it off and restores evicted weights through
+    /// [`Self::reload_source`] / [`Self::restore_weights`] from its loader thread; a batch
+    /// needing weights that are neither in a slot nor in host memory then fails instead.
+    pub fn set_disk_reload(&mut self, on: bool) {
+        self.disk_reload = on;
+    }
+
+    /// True if `key` can join a batch without reading files: slot-resident or in host memory.
+    pub fn weights_available(&self, key: AdapterKey) -> bool {
+        self.is_resident(key) || self.in_host_memory(key)
+    }
+
+    /// `(name, directory, weights-file stamp at load)` to read `key`'s weights from again,
+    /// when they are not in host memory.
+    pub fn reload_source(&self, key: AdapterKey) -> Option<(String, PathBuf, Option<crate::adapter::FileStamp>)> {
+        self.registry.reload_source(key)
+    }
+
+    /// Puts back weights of `key` read again from its directory; refused (naming the file) if
+    /// the file is not the one this version was loaded from. A no-op for a version that is
+    /// gone or already in memory.
+    pub fn restore_weights(&mut self, key: AdapterKey, adapter: LoraAdapter) -> Result<()> {
+        self.registry.restore(key, adapter)
     }
 
     /// Removes `name`. Its weights go now if no request holds them, else at the last release.
@@ -338,7 +373,7 @@ impl LoraManager {
 
     /// Puts `key` into a slot (free first, else the policy's victim outside `protect`).
     fn make_resident(&mut self, key: AdapterKey, protect: &[AdapterKey]) -> Result<usize> {
-        let weights = self.registry.weights(key, &self.dims)?;
+        let weights = self.registry.weights(key, &self.dims, self.disk_reload)?;
         let slot = self.pool.choose_slot(|o| protect.contains(&o))?;
         if let Some(old) = self.pool.owner(slot) {
             tracing::debug!(slot, evicted = old.version, loaded = key.version, "LoRA slot eviction");

@@ -166,24 +166,55 @@ impl LoraRegistry {
         }
     }
 
-    /// The weights of `key`, reloading them from disk if the host cache dropped them.
-    pub(crate) fn weights(&mut self, key: AdapterKey, dims: &LoraModelDims) -> Result<Arc<LoraAdapter>> {
+    /// The weights of `key`. If the host cache dropped them they are read from disk again
+    /// when `disk_reload` allows it; the engine forbids it (its thread must never do file I/O)
+    /// and restores them through [`Self::restore`] from its loader thread instead.
+    pub(crate) fn weights(&mut self, key: AdapterKey, dims: &LoraModelDims, disk_reload: bool) -> Result<Arc<LoraAdapter>> {
         let e = self.versions.get_mut(&key.version).ok_or_else(|| LoraError::Invalid(format!("LoRA adapter version {} is no longer loaded", key.version)))?;
         if let Some(w) = &e.weights {
             return Ok(w.clone());
         }
-        let now = FileStamp::of(&e.path.join(WEIGHTS_FILE));
-        if e.stamp.is_some() && now != e.stamp {
-            return Err(LoraError::File {
-                adapter: e.name.clone(),
-                file: e.path.join(WEIGHTS_FILE).display().to_string(),
-                reason: "changed on disk since version was loaded; load it again (replace) to serve the new weights".into(),
-            });
+        if !disk_reload {
+            return Err(LoraError::Invalid(format!("LoRA adapter `{}` (version {}) is not in host memory; it must be reloaded first", e.name, key.version)));
+        }
+        if e.stamp.is_some() && FileStamp::of_path(&e.path.join(WEIGHTS_FILE)) != e.stamp {
+            return Err(Self::changed(e));
         }
         tracing::info!(adapter = %e.name, version = key.version, "reloading LoRA adapter evicted from host memory");
-        let w = Arc::new(LoraAdapter::load(&e.name, &e.path, dims)?);
+        let w = LoraAdapter::load(&e.name, &e.path, dims)?;
+        let w = Arc::new(Self::check_stamp(e, w)?);
         e.weights = Some(w.clone());
         Ok(w)
+    }
+
+    /// What a reload of `key` reads, if its weights are not in memory: the name, the
+    /// directory, and the weights file's stamp at the first load.
+    pub(crate) fn reload_source(&self, key: AdapterKey) -> Option<(String, PathBuf, Option<FileStamp>)> {
+        self.versions.get(&key.version).filter(|e| e.weights.is_none()).map(|e| (e.name.clone(), e.path.clone(), e.stamp))
+    }
+
+    /// Puts reloaded weights back, if they are the ones this version was loaded with.
+    pub(crate) fn restore(&mut self, key: AdapterKey, adapter: LoraAdapter) -> Result<()> {
+        let Some(e) = self.versions.get_mut(&key.version) else { return Ok(()) };
+        if e.weights.is_none() {
+            e.weights = Some(Arc::new(Self::check_stamp(e, adapter)?));
+        }
+        Ok(())
+    }
+
+    fn check_stamp(e: &VersionEntry, w: LoraAdapter) -> Result<LoraAdapter> {
+        if e.stamp.is_some() && w.stamp != e.stamp {
+            return Err(Self::changed(e));
+        }
+        Ok(w)
+    }
+
+    fn changed(e: &VersionEntry) -> LoraError {
+        LoraError::File {
+            adapter: e.name.clone(),
+            file: WEIGHTS_FILE.into(),
+            reason: "changed on disk since this version was loaded; load it again (replace) to serve the new weights".into(),
+        }
     }
 
     /// Drops host weights of least recently used, unpinned versions beyond the cap, never

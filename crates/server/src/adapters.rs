@@ -24,18 +24,19 @@ impl std::fmt::Display for PathError {
 /// canonical path (symlinks resolved) must lie inside the canonical root. Only metadata is
 /// consulted here; no adapter file is read unless this returns `Ok`.
 pub fn resolve_adapter_path(root: Option<&Path>, requested: &str) -> Result<PathBuf, PathError> {
-    let req = requested.trim();
+    let p = Path::new(requested.trim());
+    // Echoed in errors: the client's own text, but not an unbounded amount of it.
+    let req = if requested.trim().len() <= 256 { requested.trim() } else { "(a path longer than 256 bytes)" };
     if req.is_empty() {
         return Err(PathError::Outside("`lora_path` is empty".into()));
     }
-    let p = Path::new(req);
     let Some(root) = root else {
         return p.canonicalize().map_err(|_| PathError::Missing(format!("No adapter found at {req}")));
     };
     if p.components().any(|c| matches!(c, Component::ParentDir)) {
         return Err(PathError::Outside(format!("`lora_path` {req} must not contain `..`; adapters are loaded only from inside --lora-dir")));
     }
-    let root = root.canonicalize().map_err(|e| PathError::Missing(format!("--lora-dir {} is not usable: {e}", root.display())))?;
+    let root = root.canonicalize().map_err(|e| PathError::Missing(format!("--lora-dir is not usable: {}", e.kind())))?;
     let joined = if p.is_absolute() { p.to_path_buf() } else { root.join(p) };
     // Refuse absolute paths outside the root before touching them.
     if p.is_absolute() && !joined.starts_with(&root) && !lexically_inside_after_canon(&joined, &root) {

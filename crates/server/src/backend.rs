@@ -120,6 +120,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Architecture name, for `/get_model_info`.
     fn model_type(&self) -> String;
     fn max_model_len(&self) -> usize;
+    /// The most bytes of text one token stands for: text longer than this times
+    /// `max_model_len` is refused without tokenizing it.
+    fn max_token_bytes(&self) -> usize;
+    /// Requests the engine queues at most (a request with more prompts can never be taken).
+    fn max_queued_requests(&self) -> usize;
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String>;
     /// Text of one token for logprob reports.
     fn token_text(&self, id: u32) -> String;

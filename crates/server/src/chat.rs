@@ -17,7 +17,7 @@ use crate::backend::Event;
 use crate::error::ApiError;
 use crate::logprobs::LpRender;
 use crate::request::{self, ChatRequest};
-use crate::server::{body_bytes, collect, encode, finish_str, now_secs, resolve_adapter, sse_response, stop_reason_json, submit_all, truncate_prompt, usage, with_usage_tail, AppState, Job};
+use crate::server::{body_bytes, collect, finish_str, now_secs, resolve_adapter, sse_response, stop_reason_json, submit_all, truncate_prompt, usage, with_usage_tail, AppState, Job};
 
 /// The prompt text of a chat request. With `continue_final_message` the rendering is cut
 /// right after the final message's content, as transformers' `apply_chat_template` does, so
@@ -42,8 +42,7 @@ pub(crate) async fn chat_completions(State(st): State<Arc<AppState>>, body: Resu
     if !st.backend.has_chat_template() && r.chat_template.is_none() {
         return Err(ApiError::bad_request("This model has no chat template; use /v1/completions or give `chat_template`"));
     }
-    let text = render_prompt(&st, &r)?;
-    let (prompt, _) = truncate_prompt(encode(&st, &text, r.add_special_tokens)?, r.common.out.truncate_prompt_tokens);
+    let (prompt, _) = truncate_prompt(crate::tokenize::encode_chat(&st, &r).await?, r.common.out.truncate_prompt_tokens);
     // vLLM's chat `echo`: the reply starts with the last message when that is the assistant's.
     let echoed = match r.messages.last() {
         Some(m) if r.echo && m.role == "assistant" => m.content.clone(),
@@ -118,5 +117,5 @@ pub(crate) async fn chat_completions(State(st): State<Arc<AppState>>, body: Resu
         futures::future::ready(out)
     });
     let body = roles.chain(events).boxed();
-    Ok(sse_response(with_usage_tail(body, include_usage, completion, id, "chat.completion.chunk", created, model_name, prompt_len)))
+    Ok(sse_response(&st, with_usage_tail(body, include_usage, completion, id, "chat.completion.chunk", created, model_name, prompt_len)))
 }

@@ -19,7 +19,7 @@ use crate::backend::{Event, TokenLogprob};
 use crate::error::ApiError;
 use crate::logprobs::LpRender;
 use crate::request::{self, Prompt};
-use crate::server::{body_bytes, collect, encode, finish_str, now_secs, resolve_adapter, sse_response, stop_reason_json, submit_all, truncate_prompt, usage, with_usage_tail, AppState, Job};
+use crate::server::{body_bytes, collect, finish_str, now_secs, resolve_adapter, sse_response, stop_reason_json, submit_all, truncate_prompt, usage, with_usage_tail, AppState, Job};
 
 pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let body = body_bytes(body)?;
@@ -31,7 +31,7 @@ pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Result<By
     let mut prompt_texts = Vec::with_capacity(r.prompts.len());
     for p in &r.prompts {
         let (ids, text) = match p {
-            Prompt::Text(t) => (encode(&st, t, r.add_special_tokens)?, Some(t.clone())),
+            Prompt::Text(t) => (crate::tokenize::encode(&st, "prompt", t, r.add_special_tokens).await?, Some(t.clone())),
             Prompt::Ids(ids) => (ids.clone(), None),
         };
         let (ids, cut) = truncate_prompt(ids, trunc);
@@ -126,7 +126,7 @@ pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Result<By
             futures::stream::iter(out)
         })
         .boxed();
-    Ok(sse_response(with_usage_tail(body, include_usage, completion, id, "text_completion", created, model_name, prompt_total)))
+    Ok(sse_response(&st, with_usage_tail(body, include_usage, completion, id, "text_completion", created, model_name, prompt_total)))
 }
 
 /// The prompt's tokens for an echoed logprobs list: the first has no logprob.

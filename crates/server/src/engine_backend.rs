@@ -13,12 +13,20 @@ use crate::backend::*;
 pub struct EngineBackend {
     pub handle: EngineHandle,
     model_type: String,
+    max_token_bytes: usize,
+}
+
+/// The longest text any single token decodes to, plus one byte for the space a SentencePiece
+/// piece may stand for but not decode to on its own.
+fn max_token_bytes(t: &quiver_model::tokenizer::Tokenizer) -> usize {
+    (0..t.vocab_size() as u32).map(|id| t.decode(&[id], false).map_or(0, |s| s.len())).max().unwrap_or(0).max(1) + 1
 }
 
 impl EngineBackend {
     pub fn start(model: LoadedModel, cfg: EngineConfig) -> anyhow::Result<Self> {
         let model_type = format!("{:?}", model.model.config.arch).to_lowercase();
-        Ok(EngineBackend { handle: Engine::start(model, cfg)?, model_type })
+        let max_token_bytes = max_token_bytes(&model.tokenizer);
+        Ok(EngineBackend { handle: Engine::start(model, cfg)?, model_type, max_token_bytes })
     }
 
     /// Adapters from the command line: operator-given paths, not sandboxed.
@@ -60,6 +68,12 @@ impl Backend for EngineBackend {
     }
     fn max_model_len(&self) -> usize {
         self.handle.max_model_len()
+    }
+    fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
+    }
+    fn max_queued_requests(&self) -> usize {
+        self.handle.config().max_queued_requests
     }
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
         self.handle.tokenizer().encode(text, add_special_tokens).map_err(|e| e.to_string())

@@ -32,7 +32,10 @@ impl ApiError {
         ApiError { status: StatusCode::NOT_FOUND, message: format!("The model `{model}` does not exist."), param: Some("model".into()) }
     }
     pub fn unavailable() -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "The server is shutting down and accepts no new requests.")
+        Self::unavailable_msg("The server is shutting down and accepts no new requests.")
+    }
+    pub fn unavailable_msg(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
     }
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
@@ -61,9 +64,17 @@ impl std::fmt::Display for ApiError {
     }
 }
 
+/// Seconds a client should wait before retrying a 429 (queue full, adapter busy) or a 503
+/// (shutting down: by then another replica, or this one restarted).
+const RETRY_AFTER_SECS: &str = "1";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if matches!(self.status, StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE) {
+            r.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static(RETRY_AFTER_SECS));
+        }
+        r
     }
 }
 

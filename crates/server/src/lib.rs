@@ -9,15 +9,20 @@ mod completions;
 pub mod engine_backend;
 pub mod error;
 mod logprobs;
+pub mod limits;
 pub mod metrics;
 pub mod options;
 pub mod request;
 pub mod server;
 mod sglang;
 pub mod structured;
+pub mod shutdown;
+pub mod tokenize;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_hardening;
 
 pub use adapters::{parse_lora_module, parse_lora_path, StartupAdapter};
 pub use backend::Backend;

@@ -106,6 +106,18 @@ impl Metrics {
         *self.inner.lock().unwrap().rejected.entry((adapter.to_string(), why)).or_default() += 1;
     }
 
+    /// Drops every series of `adapter` (it was unloaded): names come and go, series must too.
+    pub fn forget_adapter(&self, adapter: &str) {
+        self.retain_adapters(|a| a != adapter);
+    }
+
+    /// Keeps the per-adapter series of base and of adapters for which `keep` holds.
+    pub fn retain_adapters(&self, keep: impl Fn(&str) -> bool) {
+        let mut g = self.inner.lock().unwrap();
+        g.per.retain(|a, _| a.is_empty() || keep(a));
+        g.rejected.retain(|(a, _), _| a.is_empty() || keep(a));
+    }
+
     /// Prometheus text format 0.0.4.
     pub fn render(&self, served: &str, stats: &Stats) -> String {
         let g = self.inner.lock().unwrap();

@@ -452,6 +452,7 @@ pub fn parse_generate(body: &[u8]) -> Result<GenerateRequest, ApiError> {
         (Some(_), Some(_)) => return Err(ApiError::field("text", "give either `text` or `input_ids`, not both")),
         (Some(v @ Value::String(_)), None) => (parse_prompt(Some(v), "text")?, false),
         (Some(v), None) => (parse_prompt(Some(v), "text")?, true),
+        (None, Some(Value::String(_))) => return Err(ApiError::field("input_ids", "`input_ids` must be a list of token ids or a list of lists of token ids, got a string (send text in `text`)")),
         (None, Some(v)) => {
             let batched = matches!(v, Value::Array(a) if a.first().is_some_and(Value::is_array));
             (parse_prompt(Some(v), "input_ids")?, batched)

@@ -23,6 +23,8 @@ use serde_json::{json, Map, Value};
 
 use crate::adapters::{on_demand_dir, resolve_adapter_path, PathError};
 use crate::backend::{AdapterError, AdapterInfo, Backend, Event, EventStream, FinishReason, GenRequest, StopReason, TokenLogprob};
+use crate::limits::{adapter_name_error, check_adapter_name, shown_path};
+use crate::shutdown::{cut_error, until_cut, StreamCut};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::request::{self, Common, ModelRef};
@@ -66,6 +68,8 @@ pub struct AppState {
     next_id: AtomicU64,
     /// Serialises adapter loads/unloads so check-then-load is atomic for the HTTP layer.
     adapter_lock: tokio::sync::Mutex<()>,
+    /// Fired when the shutdown grace is over: running streams end with an error.
+    pub cut: StreamCut,
 }
 
 impl AppState {
@@ -78,6 +82,7 @@ impl AppState {
             in_flight: AtomicUsize::new(0),
             next_id: AtomicU64::new(0),
             adapter_lock: tokio::sync::Mutex::new(()),
+            cut: StreamCut::default(),
         })
     }
     pub fn served(&self) -> &str {
@@ -135,23 +140,34 @@ pub fn router(st: Arc<AppState>) -> Router {
 async fn guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let path = req.uri().path().to_string();
     let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_string()).unwrap_or_else(|| "other".into());
+    // Refused before the body is read: tell the client this connection ends here, or the
+    // unread body left on it would make its next keep-alive request fail.
+    let has_body = req.headers().get(header::CONTENT_LENGTH).is_some_and(|v| v.as_bytes() != b"0") || req.headers().contains_key(header::TRANSFER_ENCODING);
+    let refuse = |e: ApiError| {
+        st.metrics.http(&route, e.status.as_u16());
+        let mut r = e.into_response();
+        if has_body {
+            r.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+        }
+        r
+    };
     if let Some(key) = &st.cfg.api_key {
         if path != "/health" {
+            // The auth scheme is case-insensitive (RFC 7235).
             let ok = req
                 .headers()
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .is_some_and(|k| constant_time_eq(k.trim().as_bytes(), key.as_bytes()));
+                .and_then(|v| v.trim_start().split_once(' '))
+                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                .is_some_and(|(_, k)| constant_time_eq(k.trim().as_bytes(), key.as_bytes()));
             if !ok {
-                st.metrics.http(&route, 401);
-                return ApiError::new(StatusCode::UNAUTHORIZED, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)").into_response();
+                return refuse(ApiError::new(StatusCode::UNAUTHORIZED, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)"));
             }
         }
     }
     if st.is_shutting_down() && path != "/metrics" {
-        st.metrics.http(&route, 503);
-        return ApiError::unavailable().into_response();
+        return refuse(ApiError::unavailable());
     }
     let resp = next.run(req).await;
     st.metrics.http(&route, resp.status().as_u16());
@@ -176,6 +192,10 @@ pub(crate) async fn resolve_adapter(st: &Arc<AppState>, model: Option<&str>, lor
         ModelRef::Base => return Ok(None),
         ModelRef::Adapter(name) => name,
     };
+    if let Some(why) = adapter_name_error(&name) {
+        let param = if lora_path.is_some_and(|l| l.trim() == name) { "lora_path" } else { "model" };
+        return Err(ApiError::field(param, format!("`{param}` does not name a valid adapter: {why}")));
+    }
     let not_found = || ApiError::model_not_found(if shown.is_empty() || st.cfg.served_model_names.iter().any(|s| s == shown) { &name } else { shown });
     if st.backend.adapters().iter().any(|a| a.name == name) {
         return Ok(Some(name));
@@ -195,7 +215,7 @@ pub(crate) async fn resolve_adapter(st: &Arc<AppState>, model: Option<&str>, lor
     let r = tokio::task::spawn_blocking(move || b.load_adapter(&n2, &dir, false, false, None)).await.map_err(|e| ApiError::internal(e.to_string()))?;
     match r {
         Ok(info) => {
-            tracing::info!(adapter = %info.name, path = %info.path.display(), "loaded on demand");
+            tracing::info!(adapter = %info.name, path = %shown_path(st.cfg.lora_dir.as_deref(), &info.path), "loaded on demand");
             Ok(Some(name))
         }
         Err(AdapterError::AlreadyLoaded(_)) => Ok(Some(name)),
@@ -308,6 +328,14 @@ pub(crate) fn stop_reason_json(r: &Option<StopReason>) -> Value {
 pub(crate) fn submit_all(st: &Arc<AppState>, job: Job) -> Result<(Merged, Vec<usize>), ApiError> {
     let max_len = st.backend.max_model_len();
     let label = job.adapter.clone().unwrap_or_default();
+    let max_queued = st.backend.max_queued_requests();
+    if job.prompts.len() > max_queued {
+        // Not a transient overload: this request can never be taken whole.
+        return Err(ApiError::field(
+            "prompt",
+            format!("this request has {} prompts but the server queues at most {max_queued} requests; send at most {max_queued} prompts per request", job.prompts.len()),
+        ));
+    }
     let mut streams = Vec::with_capacity(job.prompts.len());
     let mut prompt_lens = Vec::new();
     for p in job.prompts {
@@ -391,11 +419,18 @@ pub(crate) struct Collected {
 }
 
 /// Runs merged streams to the end (non-streaming responses).
-pub(crate) async fn collect(_st: &AppState, mut s: Merged, n: usize, num_prompts: usize) -> Result<Collected, ApiError> {
+pub(crate) async fn collect(st: &AppState, mut s: Merged, n: usize, num_prompts: usize) -> Result<Collected, ApiError> {
     let mut ch = vec![ChoiceAcc::default(); n * num_prompts];
     let mut prompt_tokens = vec![0usize; num_prompts];
     let mut prompt_logprobs = vec![None; num_prompts];
-    while let Some((p, ev)) = s.next().await {
+    let mut cut = std::pin::pin!(st.cut.fired());
+    loop {
+        let next = tokio::select! {
+            biased;
+            ev = s.next() => ev,
+            _ = &mut cut => return Err(cut_error()),
+        };
+        let Some((p, ev)) = next else { break };
         match ev {
             Event::Token { index, token_id, text, logprob } => {
                 let c = &mut ch[p * n + index.min(n - 1)];
@@ -427,13 +462,9 @@ pub(crate) fn finish_str(f: Option<FinishReason>) -> Value {
     f.map_or(Value::Null, |f| Value::from(f.as_str()))
 }
 
-pub(crate) fn sse_response(s: impl Stream<Item = Value> + Send + 'static) -> Response {
-    let events = s.map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))).chain(futures::stream::once(async { Ok(SseEvent::default().data("[DONE]")) }));
+pub(crate) fn sse_response(st: &AppState, s: impl Stream<Item = Value> + Send + 'static) -> Response {
+    let events = until_cut(s, &st.cut).map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))).chain(futures::stream::once(async { Ok(SseEvent::default().data("[DONE]")) }));
     Sse::new(events).keep_alive(KeepAlive::default()).into_response()
-}
-
-pub(crate) fn encode(st: &AppState, text: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
-    st.backend.encode(text, add_special).map_err(|e| ApiError::bad_request(format!("tokenization failed: {e}")))
 }
 
 /// Appends the `stream_options.include_usage` chunk; `completion` is summed from the finish
@@ -460,7 +491,7 @@ pub(crate) fn with_usage_tail(
 fn adapter_card(st: &AppState, a: &AdapterInfo) -> Value {
     json!({
         "id": a.name, "object": "model", "created": now_secs(), "owned_by": "quiver",
-        "root": a.path.display().to_string(), "parent": st.served(), "max_model_len": st.backend.max_model_len(),
+        "root": shown_path(st.cfg.lora_dir.as_deref(), &a.path), "parent": st.served(), "max_model_len": st.backend.max_model_len(),
         "version": a.version, "pinned": a.pinned, "rank": a.rank, "permission": []
     })
 }
@@ -490,7 +521,8 @@ async fn get_model(State(st): State<Arc<AppState>>, axum::extract::Path(id): axu
 }
 
 async fn list_adapters(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(Value::Array(st.backend.adapters().iter().map(|a| json!({"name": a.name, "path": a.path.display().to_string(), "version": a.version, "pinned": a.pinned, "rank": a.rank})).collect()))
+    let dir = st.cfg.lora_dir.as_deref();
+    Json(Value::Array(st.backend.adapters().iter().map(|a| json!({"name": a.name, "path": shown_path(dir, &a.path), "version": a.version, "pinned": a.pinned, "rank": a.rank})).collect()))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -520,8 +552,9 @@ async fn do_load(st: &Arc<AppState>, r: LoadReq) -> Result<AdapterInfo, ApiError
     if !st.cfg.lora_enabled {
         return Err(ApiError::bad_request("LoRA is not enabled; start the server with --enable-lora (or --lora-dir / --lora-modules / --lora-paths)"));
     }
-    if r.name.is_empty() || r.name.contains(':') || st.cfg.served_model_names.contains(&r.name) {
-        return Err(ApiError::field("lora_name", format!("`lora_name` {:?} is not allowed: it must be non-empty, contain no ':' and differ from the base model's name", r.name)));
+    check_adapter_name("lora_name", &r.name)?;
+    if st.cfg.served_model_names.contains(&r.name) {
+        return Err(ApiError::field("lora_name", format!("`lora_name` {:?} is not allowed: it must differ from the base model's name", r.name)));
     }
     let path = resolve_adapter_path(st.cfg.lora_dir.as_deref(), &r.path).map_err(|e| match e {
         PathError::Outside(m) => ApiError::field("lora_path", m),
@@ -540,6 +573,7 @@ async fn do_unload(st: &Arc<AppState>, body: &[u8]) -> Result<String, ApiError> 
     let m = request::parse_object(body)?;
     let f = request::Fields::new(&m);
     let name = f.required_str("lora_name")?.trim().to_string();
+    check_adapter_name("lora_name", &name)?;
     let _g = st.adapter_lock.lock().await;
     if !st.backend.adapters().iter().any(|a| a.name == name) {
         return Err(ApiError { status: StatusCode::NOT_FOUND, message: format!("The lora adapter '{name}' cannot be found."), param: Some("lora_name".into()) });
@@ -547,6 +581,7 @@ async fn do_unload(st: &Arc<AppState>, body: &[u8]) -> Result<String, ApiError> 
     let b = st.backend.clone();
     let n2 = name.clone();
     tokio::task::spawn_blocking(move || b.unload_adapter(&n2)).await.map_err(|e| ApiError::internal(e.to_string()))??;
+    st.metrics.forget_adapter(&name);
     Ok(name)
 }
 
@@ -564,7 +599,7 @@ async fn v1_unload(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRej
 }
 
 fn sgl_reply(st: &AppState, r: Result<(), ApiError>) -> Response {
-    let loaded: Map<String, Value> = st.backend.adapters().iter().map(|a| (a.name.clone(), Value::from(a.path.display().to_string()))).collect();
+    let loaded: Map<String, Value> = st.backend.adapters().iter().map(|a| (a.name.clone(), Value::from(shown_path(st.cfg.lora_dir.as_deref(), &a.path)))).collect();
     match r {
         Ok(()) => Json(json!({"success": true, "error_message": "", "loaded_adapters": loaded})).into_response(),
         Err(e) => {
@@ -618,6 +653,9 @@ async fn model_info(State(st): State<Arc<AppState>>) -> Json<Value> {
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let stats = st.backend.stats();
+    // Series of adapters unloaded since (and recreated by their last streams) go.
+    let loaded: Vec<String> = st.backend.adapters().into_iter().map(|a| a.name).collect();
+    st.metrics.retain_adapters(|n| loaded.iter().any(|l| l == n));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render(st.served(), &stats)).into_response()
 }
 
@@ -669,6 +707,13 @@ pub async fn serve_with_shutdown(st: Arc<AppState>, listener: tokio::net::TcpLis
         }
         if st2.in_flight() > 0 {
             tracing::warn!(in_flight = st2.in_flight(), "grace period over; cancelling the remaining requests");
+            // Each stream ends with an error event and `[DONE]` (a response with an error);
+            // give them a moment to be written before connections close.
+            st2.cut.fire();
+            let t1 = Instant::now();
+            while st2.in_flight() > 0 && t1.elapsed() < Duration::from_secs(1) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
         }
         let _ = tx.send(true);
     });

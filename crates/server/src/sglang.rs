@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use crate::backend::{Event, FinishReason};
 use crate::error::ApiError;
 use crate::request::{self, Prompt};
-use crate::server::{body_bytes, collect, encode, resolve_adapter, sse_response, submit_all, AppState, ChoiceAcc, Job, TokLp};
+use crate::server::{body_bytes, collect, resolve_adapter, sse_response, submit_all, AppState, ChoiceAcc, Job, TokLp};
 
 pub(crate) async fn generate(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let body = body_bytes(body)?;
@@ -24,7 +24,7 @@ pub(crate) async fn generate(State(st): State<Arc<AppState>>, body: Result<Bytes
     let mut prompts = Vec::new();
     for p in &r.prompts {
         prompts.push(match p {
-            Prompt::Text(t) => encode(&st, t, true)?,
+            Prompt::Text(t) => crate::tokenize::encode(&st, "text", t, true).await?,
             Prompt::Ids(ids) => ids.clone(),
         });
     }
@@ -83,5 +83,5 @@ pub(crate) async fn generate(State(st): State<Arc<AppState>>, body: Result<Bytes
             futures::future::ready(out)
         })
         .boxed();
-    Ok(sse_response(body))
+    Ok(sse_response(&st, body))
 }

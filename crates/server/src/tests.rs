@@ -14,10 +14,10 @@ use crate::backend::*;
 use crate::server::{router, AppState, ServerConfig};
 
 #[derive(Default)]
-struct Mock {
+pub(crate) struct Mock {
     adapters: Mutex<Vec<AdapterInfo>>,
     version: AtomicU64,
-    queue_full: AtomicBool,
+    pub queue_full: AtomicBool,
     last: Mutex<Option<GenRequest>>,
 }
 
@@ -27,6 +27,12 @@ impl Backend for Mock {
     }
     fn max_model_len(&self) -> usize {
         64
+    }
+    fn max_token_bytes(&self) -> usize {
+        1
+    }
+    fn max_queued_requests(&self) -> usize {
+        8
     }
     fn encode(&self, text: &str, _: bool) -> Result<Vec<u32>, String> {
         Ok(text.bytes().map(|b| b as u32).collect())
@@ -114,13 +120,13 @@ impl Backend for Mock {
     fn shutdown(&self) {}
 }
 
-struct Env {
-    st: Arc<AppState>,
-    mock: Arc<Mock>,
-    dir: std::path::PathBuf,
+pub(crate) struct Env {
+    pub st: Arc<AppState>,
+    pub mock: Arc<Mock>,
+    pub dir: std::path::PathBuf,
 }
 
-fn env(api_key: Option<&str>) -> Env {
+pub(crate) fn env(api_key: Option<&str>) -> Env {
     let dir = std::env::temp_dir().join(format!("quiver-srv-test-{}-{}", std::process::id(), rand_suffix()));
     std::fs::create_dir_all(dir.join("loras/alpha")).unwrap();
     std::fs::create_dir_all(dir.join("loras/ondemand")).unwrap();
@@ -136,7 +142,7 @@ fn rand_suffix() -> u64 {
     N.fetch_add(1, Ordering::SeqCst)
 }
 
-async fn call(e: &Env, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> (StatusCode, Vec<u8>) {
+pub(crate) async fn call(e: &Env, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> (StatusCode, Vec<u8>) {
     let mut b = Request::builder().method(method).uri(path);
     if let Some(k) = key {
         b = b.header("authorization", format!("Bearer {k}"));
@@ -148,12 +154,12 @@ async fn call(e: &Env, method: &str, path: &str, body: Option<&str>, key: Option
     (status, bytes)
 }
 
-async fn post(e: &Env, path: &str, body: &str) -> (StatusCode, Value) {
+pub(crate) async fn post(e: &Env, path: &str, body: &str) -> (StatusCode, Value) {
     let (s, b) = call(e, "POST", path, Some(body), None).await;
     (s, serde_json::from_slice(&b).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&b).into())))
 }
 
-fn error_of(v: &Value) -> (&str, Option<&str>) {
+pub(crate) fn error_of(v: &Value) -> (&str, Option<&str>) {
     let e = &v["error"];
     assert!(e["type"].is_string() && e["code"].is_number(), "not an OpenAI error: {v}");
     (e["message"].as_str().unwrap(), e["param"].as_str())

@@ -146,7 +146,7 @@ impl EngineHandle {
         let job = LoadJob { name: name.into(), path: path.to_path_buf(), pinned, replace, reply };
         let loader = self.inner.loader.lock().unwrap();
         let Some(l) = loader.as_ref() else { return Err(AdapterError::ShuttingDown) };
-        l.send(job).map_err(|_| AdapterError::ShuttingDown)?;
+        l.send(LoaderJob::Load(job)).map_err(|_| AdapterError::ShuttingDown)?;
         table.entry(name.into()).or_default().loading = true;
         Ok(rx)
     }
@@ -193,6 +193,8 @@ impl EngineHandle {
         }
         let _ = self.inner.tx.send(Msg::Shutdown);
         self.inner.loader.lock().unwrap().take();
+        // A load in progress stops at its next read; nothing waits for it.
+        self.inner.cancel_loads.store(true, Ordering::SeqCst);
     }
 
     /// [`Self::shutdown`], then waits for the engine thread to finish.

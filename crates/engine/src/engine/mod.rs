@@ -39,15 +39,16 @@ use crate::sampling::{self, Sampler, SamplingParams};
 use crate::structured::{Grammars, Guide};
 use crate::text::{Detok, StopScan};
 use quiver_kernels::KvStorage;
-use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora};
+use quiver_lora::adapter::FileStamp;
+use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora, ReadLimits};
 use quiver_model::tokenizer::Tokenizer;
 use quiver_model::{ForwardBatch, LlamaModel, LoadedModel, LogitsFor, Workspace};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::oneshot;
 
@@ -58,12 +59,13 @@ mod requests;
 mod schedule;
 mod step;
 
-use adapters::loader_loop;
+use adapters::{loader_loop, Loader, LoaderJob};
 
 pub(crate) enum Msg {
     Submit(Box<NewRequest>),
     Wake,
     AdapterLoaded { job: LoadJob, result: Result<LoraAdapter, LoraError> },
+    AdapterReloaded { key: AdapterKey, result: Result<LoraAdapter, LoraError> },
     Unload(String),
     Debug(mpsc::Sender<DebugState>),
     Shutdown,
@@ -110,7 +112,9 @@ struct Shared {
 struct Inner {
     shared: Arc<Shared>,
     tx: Sender<Msg>,
-    loader: Mutex<Option<Sender<LoadJob>>>,
+    loader: Mutex<Option<Sender<LoaderJob>>>,
+    /// Cancels the load in progress at shutdown.
+    cancel_loads: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -151,7 +155,9 @@ impl Engine {
         };
         // The LoRA pool lives on the model's device: allocate it before sizing the KV cache from
         // what memory is left.
-        let manager = LoraManager::new(dims, lcfg, model.device.clone()).map_err(|e| anyhow::anyhow!("LoRA setup: {e}"))?;
+        let mut manager = LoraManager::new(dims, lcfg, model.device.clone()).map_err(|e| anyhow::anyhow!("LoRA setup: {e}"))?;
+        // Host-cache reloads go through the loader thread too (see `adapters`).
+        manager.set_disk_reload(false);
         let bs = cfg.block_size;
         let bpb = model.kv_bytes_per_block(bs);
         let num_blocks = match cfg.kv_cache_memory {
@@ -182,11 +188,16 @@ impl Engine {
             cfg: cfg.clone(),
         });
         let (tx, rx) = mpsc::channel::<Msg>();
-        // Loader thread: reads and validates adapters off the engine thread.
-        let (ltx, lrx) = mpsc::channel::<LoadJob>();
+        // Loader thread: every adapter file read happens there, never on the engine thread.
+        let (ltx, lrx) = mpsc::channel::<LoaderJob>();
         let etx = tx.clone();
-        let (max_rank, modules) = (cfg.max_lora_rank, cfg.lora_target_modules.clone());
-        std::thread::Builder::new().name("quiver-lora-loader".into()).spawn(move || loader_loop(lrx, etx, dims, max_rank, modules))?;
+        let cancel_loads = Arc::new(AtomicBool::new(false));
+        let sandbox = match &cfg.lora_dir {
+            Some(d) => Some(d.canonicalize().map_err(|e| anyhow::anyhow!("--lora-dir {}: {e}", d.display()))?),
+            None => None,
+        };
+        let loader = Loader { dims, max_rank: cfg.max_lora_rank, modules: cfg.lora_target_modules.clone(), sandbox, cancel: cancel_loads.clone() };
+        std::thread::Builder::new().name("quiver-lora-loader".into()).spawn(move || loader_loop(lrx, etx, loader))?;
         let stride = max_model_len.div_ceil(bs);
         let core = Core {
             ws: model.new_workspace(cfg.max_num_batched_tokens, cfg.max_running_requests),
@@ -207,6 +218,8 @@ impl Engine {
             running: Vec::new(),
             waiting: VecDeque::new(),
             pending_load: HashMap::new(),
+            loader: ltx.clone(),
+            reloading: HashSet::new(),
             running_adapters: HashMap::new(),
             next_order: 1,
             step_no: 0,
@@ -221,7 +234,7 @@ impl Engine {
             counters: Counters::default(),
         };
         let thread = std::thread::Builder::new().name("quiver-engine".into()).spawn(move || core.run(rx))?;
-        Ok(EngineHandle { inner: Arc::new(Inner { shared, tx, loader: Mutex::new(Some(ltx)), thread: Mutex::new(Some(thread)) }) })
+        Ok(EngineHandle { inner: Arc::new(Inner { shared, tx, loader: Mutex::new(Some(ltx)), cancel_loads, thread: Mutex::new(Some(thread)) }) })
     }
 }
 
@@ -315,6 +328,10 @@ struct Core {
     waiting: VecDeque<usize>,
     /// Requests for a name whose first load is in progress.
     pending_load: HashMap<String, Vec<NewRequest>>,
+    /// Sends loads and host-cache reloads to the loader thread.
+    loader: Sender<LoaderJob>,
+    /// Versions whose weights the loader is reading again; their sequences wait.
+    reloading: HashSet<AdapterKey>,
     /// Running sequences per adapter version.
     running_adapters: HashMap<AdapterKey, usize>,
     next_order: u64,
@@ -391,6 +408,7 @@ impl Core {
             Msg::Submit(nr) => self.accept(*nr),
             Msg::Wake => {}
             Msg::AdapterLoaded { job, result } => self.finish_load(job, result),
+            Msg::AdapterReloaded { key, result } => self.finish_reload(key, result),
             Msg::Unload(name) => {
                 if let Err(e) = self.manager.unload_adapter(&name) {
                     tracing::warn!(adapter = %name, "unload: {e}");
@@ -400,7 +418,10 @@ impl Core {
                 self.check_cancellations();
                 let _ = tx.send(self.debug_state());
             }
-            Msg::Shutdown => self.shutdown = true,
+            Msg::Shutdown => {
+                self.shutdown = true;
+                self.abandon_reloads();
+            }
         }
     }
 

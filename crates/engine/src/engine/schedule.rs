@@ -59,6 +59,15 @@ impl Core {
                     i += 1;
                     continue;
                 }
+                // Weights dropped from host memory and out of their slot: they are being read
+                // again on the loader thread; the sequence waits, everyone else runs.
+                if let Some(k) = self.req(s.req).adapter {
+                    if !self.adapter_ready(k) {
+                        i += 1;
+                        continue;
+                    }
+                }
+                let s = self.seq(si);
                 let chunk = remaining.min(budget).min(if is_decode { 1 } else { self.prefill_cap(si) });
                 let upto = s.num_computed + chunk;
                 let before = self.preemptions_now();
@@ -142,6 +151,16 @@ impl Core {
                     }
                 }
             }
+            if let Some(k) = r.adapter {
+                if !self.adapter_ready(k) {
+                    if strict {
+                        break;
+                    }
+                    continue;
+                }
+            }
+            let s = self.seqs[si].as_ref().expect("waiting sequence");
+            let r = self.reqs[ri].as_ref().expect("live request");
             // KV blocks for the first chunk after prefix-cache hits.
             self.pool.match_prefix(r.adapter, &s.tokens, max_match, &mut self.match_buf);
             let matched = self.match_buf.len();

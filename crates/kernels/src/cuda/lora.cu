@@ -34,6 +34,19 @@ __device__ __forceinline__ float dot8(const float* a, float4 u, float4 v) {
     return a[0] * u.x + a[1] * u.y + a[2] * u.z + a[3] * u.w + a[4] * v.x + a[5] * v.y + a[6] * v.z + a[7] * v.w;
 }
 
+// How many of the grid's gridDim.z k-splits a shrink uses for this step, and the inputs per split
+// (a multiple of `align`): enough splits that the step's tiles × column groups × splits reach
+// `target` blocks (the host passes twice the SM count), never more than the grid has. It depends
+// on the step's tile count, read from device memory like every kernel's view of the step, so a
+// recorded step picks the split for the adapters it is replayed with: one adapter's rows (few
+// tiles) spread over many splits, many adapters' (many tiles) over few.
+__device__ __forceinline__ int2 lora_splits(int tiles, int in_dim, int target, int align) {
+    const int groups = max(1, tiles * (int)gridDim.y);
+    const int want = min((int)gridDim.z, max(1, (target + groups - 1) / groups));
+    const int klen = ((in_dim + want - 1) / want + align - 1) / align * align;
+    return make_int2(klen, (in_dim + klen - 1) / klen);
+}
+
 // Split-k fix-up: called by every thread of a block once it has written its partial sums of
 // rows p0..p0+n, columns [c_lo, c_hi) for split blockIdx.z into region 1 + z of t. The last of the
 // `splits` blocks of this (tile, column group) to arrive adds the partials in split order into
@@ -59,23 +72,26 @@ __device__ __forceinline__ void lora_fixup(float* t, u32* counter, int splits, s
 
 // Small shrink (steps of fewer than 64 rows: decode): t[p][c] = x[perm[p]] · A[slot][c] for the
 // rows p of tile blockIdx.x and the A rows c = blockIdx.y·8 + warp < n·r, over the inputs of
-// split blockIdx.z (klen each). grid (tiles, ceil(n·R / 8), splits), 256 threads: a warp holds
+// split blockIdx.z (lora_splits). grid (tiles, ceil(n·R / 8), most splits), 256 threads: a warp holds
 // one A row's 16-byte vectors (8 inputs a lane), and the k-splits spread even one row's A over
 // ~100 blocks, so the adapter streams from every SM instead of a few. Partial sums go through
 // lora_fixup (counters[tile · gridDim.y + blockIdx.y]) when there are several splits.
 extern "C" __global__ void __launch_bounds__(256) lora_shrink(const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
-                                                              const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int klen,
+                                                              const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int target,
                                                               float* __restrict__ t, u32* __restrict__ counters) {
     pdl_entry();
     const int tile = blockIdx.x;
     if (tile >= (int)G[0]) return;
+    const int2 sp = (in_dim & 7) == 0 ? lora_splits(G[0], in_dim, target, 256) : make_int2(in_dim, 1);
+    const int klen = sp.x, splits = sp.y;
+    if ((int)blockIdx.z >= splits) return;
     const u32* perm = G + 1;
     const int p0 = G[1 + C + tile], n = G[1 + 2 * C + tile], slot = G[1 + 3 * C + tile];
     const int nr = n_slices * ranks[slot], W = n_slices * R;
     const int c0 = blockIdx.y * 8;
     if (n == 0 || c0 >= nr) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int c = c0 + warp, splits = gridDim.z;
+    const int c = c0 + warp;
     const int k0 = blockIdx.z * klen, k1 = min(in_dim, k0 + klen);
     float* part = splits == 1 ? t : t + (size_t)(1 + blockIdx.z) * C * W;
     if (c < nr) {
@@ -123,26 +139,29 @@ extern "C" __global__ void __launch_bounds__(256) lora_shrink(const float* __res
 
 // Tensor-core shrink (steps of 64 rows or more; in % 64 == 0): the tile's ≤ 64 rows × 32 A rows
 // per block on mma.sync m16n8k16 (x rounded to bf16 as it is staged, A bf16, f32 accumulators),
-// the inputs [z·klen, (z+1)·klen) of split z = blockIdx.z in stages of 64, so each x row is read
-// once per 32 A rows instead of once per A row. grid (tiles, ceil(n·R / 32), splits), 128
-// threads; partial sums through lora_fixup.
+// the inputs [z·klen, (z+1)·klen) of split z = blockIdx.z (lora_splits) in stages of 64, so each x
+// row is read once per 32 A rows instead of once per A row. grid (tiles, ceil(n·R / 32), most
+// splits), 128 threads; partial sums through lora_fixup.
 #define LSM_BN 32
 #define LSM_KC 64
 #define LSM_LD (LSM_KC + 8) // bf16 row stride: 16 bytes of padding keep ldmatrix conflict-free
 extern "C" __global__ void __launch_bounds__(128) lora_shrink_mma(const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
-                                                                  const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int klen,
+                                                                  const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int target,
                                                                   float* __restrict__ t, u32* __restrict__ counters) {
     __shared__ __align__(16) bf16_t xs[LORA_TILE * LSM_LD];
     __shared__ __align__(16) bf16_t as[LSM_BN * LSM_LD];
     pdl_entry();
     const int tile = blockIdx.x;
     if (tile >= (int)G[0]) return;
+    const int2 sp = lora_splits(G[0], in_dim, target, LSM_KC);
+    const int klen = sp.x, splits = sp.y;
+    if ((int)blockIdx.z >= splits) return;
     const u32* perm = G + 1;
     const int p0 = G[1 + C + tile], n = G[1 + 2 * C + tile], slot = G[1 + 3 * C + tile];
     const int nr = n_slices * ranks[slot], W = n_slices * R;
     const int c0 = blockIdx.y * LSM_BN;
     if (n == 0 || c0 >= nr) return;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, splits = gridDim.z;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int k0 = blockIdx.z * klen, k1 = min(in_dim, k0 + klen);
     const bf16_t* a0 = A + ((size_t)slot * W + c0) * in_dim;
     float acc[4][4];

@@ -43,8 +43,9 @@ const SPLIT_K: usize = 256;
 /// site of rank 512.
 pub(super) const EXPAND_MAX_SMEM: usize = SUB_ROWS * 3 * 512 * 4;
 
-/// How a shrink splits `in_dim` inputs: (inputs per split, splits). Widths that are not a
-/// multiple of 8 (the scalar path) are not split.
+/// The most splits of a shrink over `in_dim` inputs (its grid's depth; each step uses as many as
+/// its tile count calls for, `lora_splits` in lora.cu): (inputs per split, splits). Widths that
+/// are not a multiple of 8 (the scalar path) are not split.
 fn split_k(in_dim: usize) -> (usize, usize) {
     if in_dim.is_multiple_of(8) {
         (SPLIT_K, in_dim.div_ceil(SPLIT_K))
@@ -140,15 +141,17 @@ impl CudaDevice {
         }
         match x {
             LoraX::Dense(x) => {
-                let (klen, splits) = split_k(sh.in_dim);
+                let (_, splits) = split_k(sh.in_dim);
+                // Blocks a shrink aims for: two per SM.
+                let target = 2 * self.sm_count as i32;
                 self.lora_scratch(&mut st, (1 + splits) * cap * w, counters_len(cap, w), recording);
                 let (t, counters) = (st.lora_t.ptr, st.lora_counters.ptr);
                 if cap >= MMA_MIN_ROWS && sh.in_dim.is_multiple_of(64) {
                     launch!(self, self.k.lora_shrink_mma, (tiles as u32, w.div_ceil(SHRINK_MMA_COLS) as u32, splits as u32), (128, 1, 1);
-                        buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, t, counters);
+                        buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, target, t, counters);
                 } else {
                     launch!(self, self.k.lora_shrink, (tiles as u32, w.div_ceil(SHRINK_ROWS) as u32, splits as u32), (256, 1, 1);
-                        buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, t, counters);
+                        buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, target, t, counters);
                 }
             }
             LoraX::TokenIds(ids) => {

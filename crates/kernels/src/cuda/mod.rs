@@ -122,6 +122,8 @@ pub struct CudaDevice {
     lora_geom: Mutex<lora::LoraGeometry>,
     /// A step is being recorded: launches must not depend on the step's data.
     recording: std::sync::atomic::AtomicBool,
+    /// Streaming multiprocessors (sizes the LoRA shrink's split-k).
+    sm_count: usize,
 }
 
 // SAFETY: the raw stream and function handles are used only under the device's discipline
@@ -200,43 +202,10 @@ impl CudaDevice {
             bail!("{name}: Quiver's CUDA kernels need compute capability 8.0 (Ampere) or newer");
         }
         let arch = format!("sm_{maj}{min}");
+        let sm_count = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).context("reading the multiprocessor count")?.max(1) as usize;
         let ptx = kernels_ptx(&arch)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).context("loading Quiver's CUDA kernels")?;
-        let f = |n: &str| -> Result<sys::CUfunction> { Ok(module.load_function(n).with_context(|| format!("kernel {n}"))?.cu_function()) };
-        let k = Kernels {
-            f32_to_bf16: f("f32_to_bf16")?,
-            f32_to_bf16_split: f("f32_to_bf16_split")?,
-            add_bias: f("add_bias")?,
-            add_inplace: f("add_inplace")?,
-            embedding_bf16: f("embedding_bf16")?,
-            embedding_f32: f("embedding_f32")?,
-            gather_rows: f("gather_rows")?,
-            rms_norm: f("rms_norm")?,
-            add_rms_norm: f("add_rms_norm")?,
-            rope_qk: f("rope_qk")?,
-            silu_mul: f("silu_mul")?,
-            kv_write: f("kv_write")?,
-            paged_attention: f("paged_attention")?,
-            prefill_attention: [f("prefill_attention_32")?, f("prefill_attention_64")?, f("prefill_attention_96")?, f("prefill_attention_128")?],
-            gemv1_bf16: f("gemv1_bf16")?,
-            gemv1_silu_bf16: f("gemv1_silu_bf16")?,
-            gemv1_rope_bf16: f("gemv1_rope_bf16")?,
-            gemv_bf16_any_k: f("gemv_bf16_1")?,
-            lora_shrink: f("lora_shrink")?,
-            lora_shrink_mma: f("lora_shrink_mma")?,
-            lora_shrink_ids: f("lora_shrink_ids")?,
-            lora_expand: f("lora_expand")?,
-        };
-        for (i, &pf) in k.prefill_attention.iter().enumerate() {
-            let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;
-            // SAFETY: a function of the module just loaded; the value is within the H100/H200's
-            // 227 KB per block (and within an sm_80's 163 KB).
-            unsafe { result::function::set_function_attribute(pf, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes) }
-                .context("raising the prefill attention's shared-memory limit")?;
-        }
-        // SAFETY: as above; within every sm_80+ GPU's per-block limit.
-        unsafe { result::function::set_function_attribute(k.lora_expand, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, lora::EXPAND_MAX_SMEM as i32) }
-            .context("raising the LoRA expand's shared-memory limit")?;
+        let k = Kernels::load(&module)?;
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking).context("creating a CUDA stream")?;
         let graph_max_rows = std::env::var("QUIVER_CUDA_GRAPH_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(GRAPH_MAX_ROWS).min(GRAPH_MAX_ROWS);
         let blas_workspace = if graph_max_rows > GEMV_MAX_M { Some(DevBuf::zeroed(&ctx, BLAS_WORKSPACE)?) } else { None };
@@ -289,6 +258,7 @@ impl CudaDevice {
             fuse_epilogues,
             lora_geom: Mutex::new(lora::LoraGeometry::default()),
             recording: Default::default(),
+            sm_count,
         })
     }
 

@@ -1,8 +1,10 @@
 //! Our CUDA C kernels: compiled by NVRTC for the GPU at start-up (PTX cached on disk, keyed by
 //! a hash of source and architecture), and the handles of every kernel function.
 
-use anyhow::{bail, Result};
-use cudarc::driver::sys;
+use super::{lora, prefill_smem_bytes};
+use anyhow::{bail, Context, Result};
+use cudarc::driver::{result, sys, CudaModule};
+use std::sync::Arc;
 use std::path::PathBuf;
 
 /// `kernels.cu` then `lora.cu`, one module (the LoRA kernels use the helpers above them).
@@ -33,6 +35,49 @@ pub(super) struct Kernels {
     pub(super) lora_shrink_mma: sys::CUfunction,
     pub(super) lora_shrink_ids: sys::CUfunction,
     pub(super) lora_expand: sys::CUfunction,
+}
+
+impl Kernels {
+    /// The handles of every kernel in `module`, with the shared-memory limits raised where a
+    /// kernel needs more than the default 48 KB.
+    pub(super) fn load(module: &Arc<CudaModule>) -> Result<Kernels> {
+        let f = |n: &str| -> Result<sys::CUfunction> { Ok(module.load_function(n).with_context(|| format!("kernel {n}"))?.cu_function()) };
+        let k = Kernels {
+            f32_to_bf16: f("f32_to_bf16")?,
+            f32_to_bf16_split: f("f32_to_bf16_split")?,
+            add_bias: f("add_bias")?,
+            add_inplace: f("add_inplace")?,
+            embedding_bf16: f("embedding_bf16")?,
+            embedding_f32: f("embedding_f32")?,
+            gather_rows: f("gather_rows")?,
+            rms_norm: f("rms_norm")?,
+            add_rms_norm: f("add_rms_norm")?,
+            rope_qk: f("rope_qk")?,
+            silu_mul: f("silu_mul")?,
+            kv_write: f("kv_write")?,
+            paged_attention: f("paged_attention")?,
+            prefill_attention: [f("prefill_attention_32")?, f("prefill_attention_64")?, f("prefill_attention_96")?, f("prefill_attention_128")?],
+            gemv1_bf16: f("gemv1_bf16")?,
+            gemv1_silu_bf16: f("gemv1_silu_bf16")?,
+            gemv1_rope_bf16: f("gemv1_rope_bf16")?,
+            gemv_bf16_any_k: f("gemv_bf16_1")?,
+            lora_shrink: f("lora_shrink")?,
+            lora_shrink_mma: f("lora_shrink_mma")?,
+            lora_shrink_ids: f("lora_shrink_ids")?,
+            lora_expand: f("lora_expand")?,
+        };
+        for (i, &pf) in k.prefill_attention.iter().enumerate() {
+            let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;
+            // SAFETY: a function of the module just loaded; the value is within the H100/H200's
+            // 227 KB per block (and within an sm_80's 163 KB).
+            unsafe { result::function::set_function_attribute(pf, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes) }
+                .context("raising the prefill attention's shared-memory limit")?;
+        }
+        // SAFETY: as above; within every sm_80+ GPU's per-block limit.
+        unsafe { result::function::set_function_attribute(k.lora_expand, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, lora::EXPAND_MAX_SMEM as i32) }
+            .context("raising the LoRA expand's shared-memory limit")?;
+        Ok(k)
+    }
 }
 
 fn cache_dir() -> PathBuf {

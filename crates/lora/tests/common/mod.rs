@@ -141,3 +141,44 @@ pub fn pool_sites(mgr: &LoraManager) -> Vec<(String, SiteRef<'_>, bool, bool)> {
     }
     v
 }
+
+/// A safetensors file whose header lists `tensors` (name, dtype, shape) with contiguous
+/// offsets and whose data is a hole: `set_len` makes it as large as the header says without
+/// writing (or storing) the bytes, so multi-GB files cost nothing on disk.
+pub fn write_sparse_weights(path: &Path, tensors: &[(String, &str, Vec<usize>)]) -> u64 {
+    let mut header = serde_json::Map::new();
+    let mut off = 0u64;
+    for (name, dtype, shape) in tensors {
+        let size = if *dtype == "F32" { 4 } else { 2 };
+        let len = shape.iter().product::<usize>() as u64 * size;
+        header.insert(name.clone(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + len]}));
+        off += len;
+    }
+    let mut h = serde_json::to_string(&header).unwrap().into_bytes();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&h);
+    std::fs::write(path, &bytes).unwrap();
+    let total = bytes.len() as u64 + off;
+    std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(total).unwrap();
+    total
+}
+
+/// Model dims shaped like Llama-3-8B, for adapters of realistic (hundreds of MB) size.
+pub const BIG_DIMS: LoraModelDims = LoraModelDims { num_layers: 32, hidden: 4096, q_out: 4096, kv_out: 1024, intermediate: 14336, vocab: 128256 };
+
+/// Header entries of a rank-`r` adapter on every projection of every layer of `dims`.
+pub fn all_projection_tensors(dims: &LoraModelDims, r: usize) -> Vec<(String, &'static str, Vec<usize>)> {
+    let mut v = Vec::new();
+    for l in 0..dims.num_layers {
+        for m in LoraModule::PROJECTIONS {
+            let (din, dout) = dims.module_dims(m);
+            let (an, bn) = tensor_names(m, l);
+            v.push((an, "F32", vec![r, din]));
+            v.push((bn, "F32", vec![dout, r]));
+        }
+    }
+    v
+}
