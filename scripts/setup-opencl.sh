@@ -15,10 +15,12 @@ debs="ocl-icd-libopencl1 pocl-opencl-icd intel-opencl-icd"
 missing=
 for p in $debs; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"; done
 if [ -n "$missing" ]; then
-    [ "$(id -u)" = 0 ] || { echo "setup-opencl: missing Debian packages:$missing (install them as root)" >&2; exit 1; }
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >/dev/null
-    apt-get install -y -qq --no-install-recommends $missing >/dev/null
+    # As root, or through sudo where there is one; otherwise say what to install.
+    if [ "$(id -u)" = 0 ]; then as_root=; elif command -v sudo >/dev/null; then as_root="sudo -n"; else
+        echo "setup-opencl: missing Debian packages:$missing (install them as root)" >&2; exit 1
+    fi
+    $as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    $as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
 rt=$cache/intel-opencl
 pins="intel-opencl-rt==2026.2.0 intel-cmplr-lib-rt==2026.2.0 tbb==2023.2.0"
