@@ -56,7 +56,7 @@ run)
         summary+="[$r] $name ($((SECONDS - t0)) s)"$'\n'
         echo "[$r] $name ($((SECONDS - t0)) s)"
     }
-    step models python3 "$here/gpu_models.py" models "$DATA" "$here/tok" llama-gpu qwen2-gpu smollm2-rand
+    step models python3 "$here/gpu_models.py" models "$DATA" "$here/tok" llama-gpu,qwen2-gpu,smollm2-rand
     step refs python3 "$here/gpu_models.py" refs "$DATA"
     step kernel-tests "$here/bin/opencl_kernels" --test-threads 1 --nocapture
     step lora-tests "$here/bin/opencl_lora" --test-threads 1 --nocapture
