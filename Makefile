@@ -4,16 +4,23 @@ export QUIVER_CACHE := $(CACHE)
 CARGO ?= cargo
 QUIVER := target/release/quiver
 
-.PHONY: test-amx demo test test-data test-server check-cuda build model venv clean-refs
+.PHONY: test-amx demo test test-data test-server check-cuda opencl-runtimes test-opencl-pocl check-opencl-codegen build model venv clean-refs
 
 demo: model build
 	python3 scripts/demo.py
 
-test: test-data
-	$(CARGO) test --release --workspace
+# The workspace's OpenCL tests (opencl_kernels, opencl_lora, opencl_parity) run on Intel's CPU
+# OpenCL runtime: portable kernels, and the DPAS GEMM at 16 and 8 lanes with the matrix builtin
+# emulated. OCL_ICD_VENDORS shows them that runtime alone.
+OPENCL_INTEL := OCL_ICD_VENDORS=$(CACHE)/opencl/intel-cpu QUIVER_TEST_OPENCL_PLATFORM="Intel(R) OpenCL"
+
+test: test-data opencl-runtimes
+	$(OPENCL_INTEL) $(CARGO) test --release --workspace
 	$(MAKE) test-amx
 	$(MAKE) test-server
 	$(MAKE) check-cuda
+	$(MAKE) test-opencl-pocl
+	$(MAKE) check-opencl-codegen
 
 # The opt-in AMX GEMM mode against the same references (HF, PEFT, batched = alone), on CPUs that
 # have AMX-BF16; elsewhere there is nothing different to run.
@@ -26,6 +33,23 @@ test-amx: test-data
 # through scripts/gpu-check.sh on one, so CI compiles them only.
 check-cuda:
 	$(CARGO) check --workspace --tests --features quiver/cuda,quiver-engine/cuda,quiver-lora/cuda
+
+# Intel's CPU OpenCL runtime (PyPI, into the cache), PoCL and Intel's offline compiler (Debian).
+opencl-runtimes:
+	@bash scripts/setup-opencl.sh
+
+# The portable OpenCL kernels on PoCL (OpenCL C 1.2, no subgroups). One test thread: PoCL 3.1
+# crashes when several threads drive devices at once.
+test-opencl-pocl: opencl-runtimes
+	OCL_ICD_VENDORS=$(CACHE)/opencl/pocl QUIVER_TEST_OPENCL_PLATFORM="Portable Computing Language" QUIVER_TEST_OPENCL_SETS=portable \
+		$(CARGO) test --release -p quiver-kernels --test opencl_kernels -- --test-threads 1
+	OCL_ICD_VENDORS=$(CACHE)/opencl/pocl QUIVER_TEST_OPENCL_PLATFORM="Portable Computing Language" QUIVER_TEST_OPENCL_SETS=portable \
+		$(CARGO) test --release -p quiver-lora --test opencl_lora -- --test-threads 1
+
+# Every DPAS kernel compiled for PVC and DG2 by Intel's offline compiler must contain dpas
+# instructions and no unresolved calls.
+check-opencl-codegen: opencl-runtimes
+	@bash scripts/ocloc-gate.sh
 
 build:
 	$(CARGO) build --release -p quiver

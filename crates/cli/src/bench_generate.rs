@@ -5,7 +5,7 @@
 use anyhow::Result;
 use clap::Args;
 use quiver_kernels::sample::{SampleOut, SampleSpec};
-use quiver_kernels::{DType, DeviceKind};
+use quiver_kernels::{DType, Device, DeviceKind, Weight};
 use quiver_lora::NoLora;
 use quiver_model::{ForwardBatch, LlamaModel, LogitsFor};
 use std::path::PathBuf;
@@ -96,19 +96,77 @@ fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize, prompt_len: usize) -> f6
     (n * steps) as f64 / start.elapsed().as_secs_f64()
 }
 
+/// What the device itself sustains, measured through its own ops: copy bandwidth (`add_inplace`
+/// over 2 × 128 MiB: two reads and a write per element) and GEMM throughput (a 512 × 4096 × 4096
+/// matmul in the model's dtype). The rooflines the OpenCL device's numbers are set against.
+pub(crate) struct Ceilings {
+    pub(crate) copy_gb_s: f64,
+    pub(crate) gemm_gflop_s: f64,
+}
+
+pub(crate) fn measure_ceilings(dev: &dyn Device, dtype: DType) -> Ceilings {
+    let len = 32 << 20;
+    let (mut a, b) = (dev.alloc(len), dev.tensor_from(&vec![1.0f32; len]));
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        dev.wait();
+        median(
+            (0..3)
+                .map(|_| {
+                    let t = Instant::now();
+                    f();
+                    dev.wait();
+                    t.elapsed().as_secs_f64()
+                })
+                .collect(),
+        )
+    };
+    let copy_s = time(&mut || dev.add_inplace(&mut a, &b, len));
+    let (m, n, k) = (512usize, 4096usize, 4096usize);
+    let w = dev.load_weight(Weight::from_f32(n, k, (0..n * k).map(|i| ((i % 251) as f32 - 125.0) * 1e-3).collect(), dtype));
+    let (x, mut y) = (dev.tensor_from(&vec![0.5f32; m * k]), dev.alloc(m * n));
+    let gemm_s = time(&mut || dev.matmul(&x, m, &w, None, &mut y));
+    Ceilings { copy_gb_s: 3.0 * (len * 4) as f64 / copy_s / 1e9, gemm_gflop_s: 2.0 * (m * n * k) as f64 / gemm_s / 1e9 }
+}
+
+/// Weight elements one token's forward pass reads (every projection and the LM head; the
+/// embedding is a gather).
+fn weight_elems(m: &LlamaModel) -> f64 {
+    let c = &m.config;
+    let (h, q, kv) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    (c.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size) + c.vocab_size * h) as f64
+}
+
 pub fn run(a: BenchGenerateArgs) -> Result<()> {
     let (lm, label) = a.shape.model_or_file(a.model.clone(), a.device, a.dtype)?;
     let m = &lm.model;
     let threads = rayon::current_num_threads();
     println!("model {label} | dtype {:?} | device {} | {} threads | cpu gemm {}", a.dtype, a.device, threads, quiver_kernels::cpu::gemm_kind());
+    // OpenCL devices report their numbers against what the device sustains (issue #23).
+    let ceilings = matches!(a.device, DeviceKind::Xpu(_) | DeviceKind::OpenCl(_)).then(|| measure_ceilings(&*m.device, a.dtype));
+    if let Some(c) = &ceilings {
+        println!("device ceilings: copy {:.1} GB/s (add_inplace), GEMM {:.1} GFLOP/s (512x4096x4096 {:?})", c.copy_gb_s, c.gemm_gflop_s, a.dtype);
+    }
+    let wbytes = weight_elems(m) * if a.dtype == DType::Bf16 { 2.0 } else { 4.0 };
     // Warm-up: fault in weights and grow scratch buffers.
     decode_tok_s(m, 1, 4, 32);
     let pp = median((0..a.reps).map(|_| prefill_tok_s(m, a.prompt_len)).collect());
-    println!("pp{:<5} {:>10.1} tok/s", a.prompt_len, pp);
+    print!("pp{:<5} {:>10.1} tok/s", a.prompt_len, pp);
+    if let Some(c) = &ceilings {
+        let gf = 2.0 * weight_elems(m) * pp / 1e9;
+        print!("  {gf:.1} GFLOP/s = {:.2} of the GEMM ceiling", gf / c.gemm_gflop_s);
+    }
+    println!();
     let mut rows = Vec::new();
     for &n in &a.batch_sizes {
         let tg = median((0..a.reps).map(|_| decode_tok_s(m, n, a.decode_steps, a.decode_context)).collect());
-        println!("decode batch {:<4} {:>10.1} tok/s  ({:.1} tok/s per sequence)", n, tg, tg / n as f64);
+        print!("decode batch {:<4} {:>10.1} tok/s  ({:.1} tok/s per sequence)", n, tg, tg / n as f64);
+        if let Some(c) = &ceilings {
+            // A decode step streams every weight once whatever the batch.
+            let gb = wbytes * tg / n as f64 / 1e9;
+            print!("  weights {gb:.1} GB/s = {:.2} of copy", gb / c.copy_gb_s);
+        }
+        println!();
         rows.push(serde_json::json!({"batch": n, "tok_s": tg}));
     }
     if let Some(p) = a.output_json {

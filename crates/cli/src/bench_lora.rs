@@ -124,6 +124,7 @@ pub fn run(a: BenchLoraArgs) -> Result<()> {
             }
             #[cfg(not(feature = "cuda"))]
             DeviceKind::Cuda(_) => anyhow::bail!("--device cuda: this build has no CUDA support (rebuild with `--features cuda`)"),
+            DeviceKind::Xpu(_) | DeviceKind::OpenCl(_) => anyhow::bail!("--device {}: the kernel part has no OpenCL version yet; run --part step", a.device),
         };
     }
     let mut out = Vec::new();
@@ -142,6 +143,16 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
     let dims = m.lora_dims();
     let modules = LoraModule::parse_list(&a.modules).map_err(anyhow::Error::msg)?;
     println!("model {label} | dtype {:?} | device {} | adapters on {}", a.dtype, a.device, a.modules);
+    // OpenCL devices report the adapters' bytes per unit of the LoRA time against what the device
+    // sustains (issue #23); the pool is f32 there.
+    let ceilings = matches!(a.device, DeviceKind::Xpu(_) | DeviceKind::OpenCl(_)).then(|| crate::bench_generate::measure_ceilings(&*m.device, a.dtype));
+    if let Some(c) = &ceilings {
+        println!("device ceilings: copy {:.1} GB/s (add_inplace), GEMM {:.1} GFLOP/s", c.copy_gb_s, c.gemm_gflop_s);
+    }
+    let (h, q, kv, inter) = (dims.hidden, dims.q_out, dims.kv_out, dims.intermediate);
+    // A and B elements of one rank step over every projection of every layer (the GB/s figure
+    // assumes all seven are targeted).
+    let per_rank = (dims.num_layers * ((h + q) + 2 * (h + kv) + (q + h) + 3 * (h + inter))) as f64;
     println!("{:<10} {:>5} {:>4} {:>5} {:>10} {:>10} {:>8}", "backend", "rank", "ads", "rows", "base ms", "lora ms", "cost");
     let mut out = Vec::new();
     let max_ads = a.adapters.iter().copied().max().unwrap_or(1);
@@ -186,7 +197,16 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
                         ratio.push(l / b);
                     }
                     let (b, l, r) = (median(base), median(lora), median(ratio));
-                    println!("{:<10} {:>5} {:>4} {:>5} {:>10.2} {:>10.2} {:>+7.1}%", backend, rank, ads, n, b, l, (r - 1.0) * 100.0);
+                    print!("{:<10} {:>5} {:>4} {:>5} {:>10.2} {:>10.2} {:>+7.1}%", backend, rank, ads, n, b, l, (r - 1.0) * 100.0);
+                    if let Some(c) = &ceilings {
+                        // Each distinct adapter of the step is read once: its A and B over the LoRA time.
+                        // and every row does one multiply-add per element of its adapter.
+                        let lora_s = (l - b).max(1e-6) * 1e-3;
+                        let gb = per_rank * rank as f64 * 4.0 * ads.min(n) as f64 / lora_s / 1e9;
+                        let gf = 2.0 * per_rank * rank as f64 * n as f64 / lora_s / 1e9;
+                        print!("  adapters {gb:.1} GB/s = {:.2} of copy, {gf:.1} GFLOP/s = {:.3} of GEMM", gb / c.copy_gb_s, gf / c.gemm_gflop_s);
+                    }
+                    println!();
                     out.push(serde_json::json!({"backend": backend, "rank": rank, "rows": n, "adapters": ads, "device": a.device.to_string(), "base_ms": b, "lora_ms": l, "cost_pct": (r - 1.0) * 100.0}));
                 }
             }

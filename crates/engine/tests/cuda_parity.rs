@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::{alone, log_softmax, max_logprob_delta, oracle_manager, prompt, RefCase, RefFile};
+use common::{alone, max_logprob_delta, oracle_manager, prompt, top20_case, RefCase, RefFile};
 use quiver_engine::testing::{temp_dir, write_random_adapter};
 use quiver_engine::{BaseOnly, Engine, EngineConfig, GenerateRequest, Generator};
 use quiver_kernels::{open_device, DType, DeviceKind};
@@ -114,16 +114,7 @@ fn cuda_bf16_matches_cpu_f32_on_smollm2_shaped_weights() {
             let mut all = c.prompt_ids.clone();
             all.extend(&cont);
             let logits = g.score(&all, &mut BaseOnly).unwrap();
-            let (mut top_ids, mut top_logprobs) = (Vec::new(), Vec::new());
-            for row in logits.chunks(vocab) {
-                let lp = log_softmax(row);
-                let mut idx: Vec<u32> = (0..vocab as u32).collect();
-                idx.select_nth_unstable_by(19, |&a, &b| lp[b as usize].total_cmp(&lp[a as usize]));
-                idx.truncate(20);
-                top_logprobs.push(idx.iter().map(|&i| lp[i as usize]).collect());
-                top_ids.push(idx);
-            }
-            RefCase { name: c.name, prompt_ids: c.prompt_ids, continuation_ids: cont, top_ids, top_logprobs }
+            top20_case(c.name, c.prompt_ids, cont, &logits, vocab)
         })
         .collect();
     drop(g);

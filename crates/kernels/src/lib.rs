@@ -3,7 +3,8 @@
 //! Everything above (LoRA, model, engine) holds activations as [`Tensor`]s and weights as
 //! [`Weight`]s and calls ops through the [`Device`] trait object. The CPU implementation lives in
 //! [`cpu`]; a CUDA implementation plugs in behind the `cuda` feature with its own [`Storage`]
-//! variant, without the model changing.
+//! variant, and an OpenCL one ([`opencl`]: Intel GPUs, any OpenCL device) in every build, without
+//! the model changing.
 //!
 //! Conventions: activations are f32, row-major `[rows, cols]`. Linear weights are `[out, in]`
 //! (PyTorch order) so `y = x · Wᵀ`. Computation accumulates in f32 whatever the weight dtype.
@@ -14,8 +15,9 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod lora;
-pub mod sample;
 pub mod moe;
+pub mod opencl;
+pub mod sample;
 
 pub use moe::{ExpertWeights, MoeRouting, QkNorm, RouterSpec};
 
@@ -29,6 +31,10 @@ pub use lora::{GroupRows, LoraCall, LoraGroups, LoraSiteBuffers, LoraSiteShape, 
 pub enum DeviceKind {
     Cpu,
     Cuda(usize),
+    /// The N-th Intel GPU among the OpenCL devices (`xpu[:N]`).
+    Xpu(usize),
+    /// The N-th OpenCL device of any kind, in platform order (`opencl[:N]`).
+    OpenCl(usize),
 }
 
 impl fmt::Display for DeviceKind {
@@ -36,6 +42,8 @@ impl fmt::Display for DeviceKind {
         match self {
             DeviceKind::Cpu => write!(f, "cpu"),
             DeviceKind::Cuda(i) => write!(f, "cuda:{i}"),
+            DeviceKind::Xpu(i) => write!(f, "xpu:{i}"),
+            DeviceKind::OpenCl(i) => write!(f, "opencl:{i}"),
         }
     }
 }
@@ -43,13 +51,16 @@ impl fmt::Display for DeviceKind {
 impl std::str::FromStr for DeviceKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "cpu" => Ok(DeviceKind::Cpu),
-            "cuda" => Ok(DeviceKind::Cuda(0)),
-            _ => match s.strip_prefix("cuda:").map(|n| n.parse::<usize>()) {
-                Some(Ok(i)) => Ok(DeviceKind::Cuda(i)),
-                _ => Err(format!("unknown device `{s}` (expected cpu, cuda or cuda:N)")),
-            },
+        let (name, index) = match s.split_once(':') {
+            Some((n, i)) => (n, i.parse::<usize>().ok()),
+            None => (s, Some(0)),
+        };
+        match (name, index) {
+            ("cpu", _) if s == "cpu" => Ok(DeviceKind::Cpu),
+            ("cuda", Some(i)) => Ok(DeviceKind::Cuda(i)),
+            ("xpu", Some(i)) => Ok(DeviceKind::Xpu(i)),
+            ("opencl", Some(i)) => Ok(DeviceKind::OpenCl(i)),
+            _ => Err(format!("unknown device `{s}` (expected cpu, cuda[:N], xpu[:N] or opencl[:N])")),
         }
     }
 }
@@ -80,6 +91,7 @@ pub enum Storage {
     Cpu(aligned::AlignedVec<f32>),
     #[cfg(feature = "cuda")]
     Cuda(cuda::DevBuf),
+    OpenCl(opencl::ClBuf),
 }
 
 /// A flat f32 activation buffer on some device. Shape bookkeeping is the caller's: ops take
@@ -101,6 +113,7 @@ impl Tensor {
             Storage::Cpu(v) => v.len(),
             #[cfg(feature = "cuda")]
             Storage::Cuda(b) => b.bytes() / 4,
+            Storage::OpenCl(b) => b.bytes() / 4,
         }
     }
     /// True when the data lives in host memory (so [`Tensor::as_cpu`] works).
@@ -114,6 +127,7 @@ impl Tensor {
             Storage::Cpu(v) => v,
             #[cfg(feature = "cuda")]
             Storage::Cuda(_) => panic!("host view of a CUDA tensor (copy it with Device::to_host)"),
+            Storage::OpenCl(_) => panic!("host view of an OpenCL tensor (copy it with Device::to_host)"),
         }
     }
     pub fn as_cpu_mut(&mut self) -> &mut [f32] {
@@ -121,7 +135,11 @@ impl Tensor {
             Storage::Cpu(v) => v,
             #[cfg(feature = "cuda")]
             Storage::Cuda(_) => panic!("host view of a CUDA tensor (copy it with Device::to_host)"),
+            Storage::OpenCl(_) => panic!("host view of an OpenCL tensor (copy it with Device::to_host)"),
         }
+    }
+    pub fn from_opencl(buf: opencl::ClBuf) -> Self {
+        Tensor { storage: Storage::OpenCl(buf) }
     }
     #[cfg(feature = "cuda")]
     pub fn from_cuda(buf: cuda::DevBuf) -> Self {
@@ -144,6 +162,8 @@ pub enum WeightData {
     /// In device memory, in the given dtype.
     #[cfg(feature = "cuda")]
     Cuda(cuda::DevBuf, DType),
+    /// In an OpenCL device's memory, in the given dtype.
+    OpenCl(opencl::ClBuf, DType),
 }
 
 /// A `[rows, cols]` = `[out, in]` matrix (or an embedding table `[vocab, hidden]`).
@@ -170,6 +190,7 @@ impl Weight {
             WeightData::Panels(ref p) => if p.is_f32() { DType::F32 } else { DType::Bf16 },
             #[cfg(feature = "cuda")]
             WeightData::Cuda(_, d) => d,
+            WeightData::OpenCl(_, d) => d,
         }
     }
     pub fn size_bytes(&self) -> usize {
@@ -180,6 +201,7 @@ impl Weight {
             WeightData::Panels(p) => p.size_bytes(),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(b, _) => b.bytes(),
+            WeightData::OpenCl(b, _) => b.bytes(),
         }
     }
     /// Row `r` converted to f32 into `out` (len `cols`). Host weights only.
@@ -196,6 +218,7 @@ impl Weight {
             WeightData::Panels(p) => p.row_f32(r, out),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(..) => panic!("row_f32 of a weight in device memory"),
+            WeightData::OpenCl(..) => panic!("row_f32 of a weight in device memory"),
         }
     }
 }
@@ -307,6 +330,12 @@ pub trait Device: Send + Sync {
     /// Whether this device's attention kernels handle heads of `head_dim`; checked when a model
     /// is loaded, so an unsupported model is refused up front instead of failing mid-step.
     fn check_head_dim(&self, _head_dim: usize) -> Result<(), String> {
+        Ok(())
+    }
+    /// Whether this device has the ops a model's layers need beyond the dense decoder's: the
+    /// q/k RMSNorm (Qwen3, OLMoE) and the mixture-of-experts ops; checked at load like the head
+    /// size, naming what is missing.
+    fn check_layer_ops(&self, _qk_norm: bool, _moe: bool) -> Result<(), String> {
         Ok(())
     }
     /// Bytes per K/V element in the caches this device allocates.
@@ -451,5 +480,6 @@ pub fn open_device(kind: DeviceKind) -> anyhow::Result<Arc<dyn Device>> {
         DeviceKind::Cuda(_) => anyhow::bail!(
             "device {kind} requested but this build has no CUDA support (rebuild with `--features cuda`)"
         ),
+        DeviceKind::Xpu(_) | DeviceKind::OpenCl(_) => Ok(Arc::new(opencl::OpenClDevice::new(kind)?)),
     }
 }

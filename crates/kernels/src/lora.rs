@@ -67,11 +67,12 @@ impl LoraSiteShape {
 }
 
 /// Elements of LoRA storage: f32 in host memory, or in a device's own memory in the device's
-/// element type (bf16 on CUDA).
+/// element type (bf16 on CUDA, f32 on OpenCL).
 pub enum LoraStorage {
     Host(AlignedVec<f32>),
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::DevBuf),
+    OpenCl(crate::opencl::ClBuf),
 }
 
 impl LoraStorage {
@@ -81,6 +82,7 @@ impl LoraStorage {
             LoraStorage::Host(v) => v,
             #[cfg(feature = "cuda")]
             LoraStorage::Cuda(_) => panic!("host view of LoRA storage in CUDA memory"),
+            LoraStorage::OpenCl(_) => panic!("host view of LoRA storage in OpenCL memory"),
         }
     }
     pub fn host_mut(&mut self) -> &mut [f32] {
@@ -88,6 +90,7 @@ impl LoraStorage {
             LoraStorage::Host(v) => v,
             #[cfg(feature = "cuda")]
             LoraStorage::Cuda(_) => panic!("host view of LoRA storage in CUDA memory"),
+            LoraStorage::OpenCl(_) => panic!("host view of LoRA storage in OpenCL memory"),
         }
     }
     pub fn size_bytes(&self) -> usize {
@@ -95,6 +98,7 @@ impl LoraStorage {
             LoraStorage::Host(v) => v.len() * 4,
             #[cfg(feature = "cuda")]
             LoraStorage::Cuda(b) => b.bytes(),
+            LoraStorage::OpenCl(b) => b.bytes(),
         }
     }
 }

@@ -164,6 +164,7 @@ pub fn load_model(path: &Path, device: Arc<dyn Device>, dtype: DType) -> Result<
 fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<dyn Device>, dtype: DType, permuted_qk: bool) -> Result<LlamaModel> {
     let c = &config;
     device.check_head_dim(c.head_dim).map_err(|e| anyhow::anyhow!("{}: {e}", src.path().display()))?;
+    device.check_layer_ops(c.qk_norm.is_some(), c.moe.is_some()).map_err(|e| anyhow::anyhow!("{}: {e}", src.path().display()))?;
     let (h, q, kv, inter) = (c.hidden_size, c.q_out(), c.kv_out(), c.intermediate_size);
     let wt = |rows: usize, cols: usize, data: Vec<f32>| device.load_weight(Weight::from_f32(rows, cols, data, dtype));
     let embed = wt(c.vocab_size, h, load(src, &names.embed(), &[c.vocab_size, h])?);

@@ -134,18 +134,45 @@ pub fn prompt(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-// ---- PEFT parity helpers ------------------------------------------------------------------
+/// A case whose reference is our own logits: the top 20 logprobs at every position of
+/// `prompt + continuation` (`logits` `[len, vocab]`), for comparing two devices.
+pub fn top20_case(name: String, prompt_ids: Vec<u32>, continuation_ids: Vec<u32>, logits: &[f32], vocab: usize) -> RefCase {
+    let (mut top_ids, mut top_logprobs) = (Vec::new(), Vec::new());
+    for row in logits.chunks(vocab) {
+        let lp = log_softmax(row);
+        let mut idx: Vec<u32> = (0..vocab as u32).collect();
+        idx.select_nth_unstable_by(19, |&a, &b| lp[b as usize].total_cmp(&lp[a as usize]));
+        idx.truncate(20);
+        top_logprobs.push(idx.iter().map(|&i| lp[i as usize]).collect());
+        top_ids.push(idx);
+    }
+    RefCase { name, prompt_ids, continuation_ids, top_ids, top_logprobs }
+}
 
+// ---- shared parity checks ----------------------------------------------------------------
+
+use quiver_engine::{Engine, EngineConfig, FinishReason, GenerateRequest};
 use quiver_engine::StepLora;
 use quiver_lora::LoraHook;
 use quiver_model::{ForwardBatch, LogitsFor};
 
-/// Logprob tolerance against the PEFT references.
+/// Logprob tolerance against the PEFT references (f32).
 pub const TOL: f32 = 1e-3;
 
+/// The PEFT reference adapters of `scripts/reference.py`, in `ref/adapters/`.
+pub const ADAPTERS: [&str; 5] = ["a-qv-r8", "b-all-r16-rslora", "c-patterns", "d-embed-head", "e-qk-r4"];
+
+/// A manager on the model's device holding the PEFT reference adapters.
+pub fn peft_manager(model: &LlamaModel, slots: usize) -> (LoraManager, Vec<AdapterKey>) {
+    let cfg = LoraConfig { max_loras_per_batch: slots, max_lora_rank: 16, target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
+    let mut mgr = LoraManager::new(model.lora_dims(), cfg, model.device.clone()).unwrap();
+    let keys = ADAPTERS.iter().map(|a| mgr.load_adapter(a, require(&format!("ref/adapters/{a}"))).unwrap()).collect();
+    (mgr, keys)
+}
+
 /// One sequence per (adapter, case); runs them all in one forward and checks every row against
-/// its own adapter's reference. Returns the logits, `[rows, vocab]` in sequence order.
-pub fn check_mixed(model: &LlamaModel, mgr: &mut LoraManager, seqs: &[(Option<AdapterKey>, &RefCase, &str)]) -> Vec<f32> {
+/// its own adapter's reference within `tol`. Returns the logits, `[rows, vocab]` in sequence order.
+pub fn check_mixed(model: &LlamaModel, mgr: &mut LoraManager, seqs: &[(Option<AdapterKey>, &RefCase, &str)], tol: f32) -> Vec<f32> {
     let vocab = model.config.vocab_size;
     let bs = 16;
     let lens: Vec<usize> = seqs.iter().map(|(_, c, _)| c.prompt_ids.len() + c.continuation_ids.len()).collect();
@@ -168,7 +195,7 @@ pub fn check_mixed(model: &LlamaModel, mgr: &mut LoraManager, seqs: &[(Option<Ad
     let mut off = 0;
     for ((_, c, label), &len) in seqs.iter().zip(&lens) {
         let (d, pos) = max_logprob_delta(c, &logits[off * vocab..(off + len) * vocab], vocab);
-        assert!(d <= TOL, "{label} case {}: max |Δlogprob| {d} at position {pos} > {TOL}", c.name);
+        assert!(d <= tol, "{label} case {}: max |Δlogprob| {d} at position {pos} > {tol}", c.name);
         eprintln!("{label} {}: max |Δlogprob| {d:.2e}", c.name);
         off += len;
     }
@@ -200,4 +227,58 @@ pub fn assert_greedy_matches(g: &mut quiver_engine::Generator, mgr: &mut LoraMan
     })
     .unwrap();
     assert_eq!(out, case.continuation_ids, "{label} case {}: greedy continuation differs from PEFT", case.name);
+}
+
+/// `n` concurrent greedy requests of `max_tokens` over 4 adapters and base rows (mixed prompt
+/// lengths, chunked prefill interleaved with decode) through an engine on `lm`, each
+/// token-identical to the request run alone on `oracle_lm` through `Generator`.
+pub fn engine_matches_alone(lm: LoadedModel, oracle_lm: LoadedModel, n: usize, max_tokens: usize) {
+    let dims = lm.model.lora_dims();
+    let vocab = lm.model.config.vocab_size;
+    let paths = make_adapters("parity", &dims, 4, 16, 0.02, 7);
+    let (mut oracle, keys) = oracle_manager(&oracle_lm.model, &paths);
+
+    let cfg = EngineConfig {
+        max_running_requests: 40,
+        max_loras_per_batch: 4,
+        max_lora_rank: 16,
+        max_num_batched_tokens: 96,
+        chunked_prefill_size: 24,
+        kv_cache_memory: Some(512 << 20),
+        ..Default::default()
+    };
+    let h = Engine::start(lm, cfg).unwrap();
+    for (i, p) in paths.iter().enumerate() {
+        h.load_adapter_blocking(&format!("a{i}"), p, false, false, None).unwrap();
+    }
+    let cases: Vec<(Vec<u32>, Option<usize>)> = (0..n)
+        .map(|i| {
+            let len = [3usize, 9, 17, 30, 41, 64][i % 6] + i % 5;
+            (prompt(i as u64, len, vocab), if i % 5 == 4 { None } else { Some(i % 4) })
+        })
+        .collect();
+    let streams: Vec<_> = cases
+        .iter()
+        .map(|(p, a)| {
+            h.submit(GenerateRequest { prompt: p.clone(), adapter: a.map(|a| format!("a{a}")), max_tokens, ignore_eos: true, ..Default::default() }).unwrap()
+        })
+        .collect();
+    let got: Vec<_> = streams.into_iter().map(|s| s.collect_blocking()).collect();
+    let stats = h.stats();
+    assert!(stats.prefill_tokens > 0);
+    h.shutdown_and_join();
+
+    let mut distinct_outputs = std::collections::HashSet::new();
+    for (i, ((p, a), c)) in cases.iter().zip(&got).enumerate() {
+        assert!(c.error.is_none(), "request {i}: {:?}", c.error);
+        assert_eq!(c.finish[0], Some(FinishReason::Length));
+        let want = alone(&oracle_lm.model, a.map(|a| (&mut oracle, keys[a])), p, max_tokens, &[]);
+        assert_eq!(c.tokens[0], want, "request {i} (adapter {a:?}, prompt {} tokens) differs from running alone", p.len());
+        distinct_outputs.insert(c.tokens[0].clone());
+    }
+    // The adapters must actually change outputs, or the test proves nothing about routing.
+    let p = &cases[0].0;
+    let base = alone(&oracle_lm.model, None, p, max_tokens, &[]);
+    let differing = (0..4).filter(|&a| alone(&oracle_lm.model, Some((&mut oracle, keys[a])), p, max_tokens, &[]) != base).count();
+    assert!(differing >= 3, "only {differing} of 4 adapters change the greedy output of the base model");
 }

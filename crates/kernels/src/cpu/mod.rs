@@ -167,6 +167,7 @@ impl Device for CpuDevice {
             WeightData::Panels(p) => panel::matmul(x, m, p, y),
             #[cfg(feature = "cuda")]
             WeightData::Cuda(..) => panic!("CPU matmul given a weight in CUDA memory"),
+            WeightData::OpenCl(..) => panic!("CPU matmul given a weight in OpenCL memory"),
         }
         if let Some(b) = bias {
             let b = b.as_cpu();

@@ -56,7 +56,7 @@ fn split_k(in_dim: usize) -> (usize, usize) {
 fn dev_buf(s: &LoraStorage) -> &DevBuf {
     match s {
         LoraStorage::Cuda(b) => b,
-        LoraStorage::Host(_) => panic!("CUDA LoRA op given LoRA storage in host memory (allocate it with the CUDA device)"),
+        _ => panic!("CUDA LoRA op given LoRA storage of another device (allocate it with the CUDA device)"),
     }
 }
 

@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 fn buf(t: &Tensor) -> u64 {
     match t.storage() {
         crate::Storage::Cuda(b) => b.ptr,
-        crate::Storage::Cpu(_) => panic!("CUDA op given a host tensor"),
+        _ => panic!("CUDA op given a tensor of another device"),
     }
 }
 
@@ -445,7 +445,7 @@ impl Device for CudaDevice {
                 self.htod(b.ptr, &v[..]);
                 (b, DType::Bf16)
             }
-            WeightData::Tiled(_) | WeightData::Panels(_) => panic!("CUDA load_weight given a weight the CPU device already loaded (build a fresh Weight per device)"),
+            WeightData::Tiled(_) | WeightData::Panels(_) | WeightData::OpenCl(..) => panic!("CUDA load_weight given a weight another device already loaded (build a fresh Weight per device)"),
             WeightData::Cuda(..) => return w,
         };
         Weight { rows, cols, data: WeightData::Cuda(b, dtype) }

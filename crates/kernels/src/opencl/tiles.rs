@@ -1,0 +1,100 @@
+//! Tile sizes of the weight GEMMs: compiled into the programs as `-D` defines and used by the
+//! host for the launch grids, from one value each, so the two can never disagree. The defaults
+//! are untuned guesses; `QUIVER_OPENCL_TILES` (e.g. `GEMM_T=8,GEMV_WG=128,DPAS_NT=4`) overrides
+//! them at start-up, which is how a kernel gets tuned on real hardware without a code change.
+//! Every size keeps each output's multiply-add chain over k in order, so tuning never changes a
+//! result, only the speed (batch invariance holds for any choice).
+
+use super::KernelSet;
+use anyhow::{bail, Result};
+
+/// Most rows of the GEMV (`GEMV_ROWS` in gemm.cl): the row count where the GEMM takes over.
+pub(super) const GEMV_ROWS: usize = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Tiles {
+    /// Output tile edge of the portable GEMM; its work-group is `GEMM_T²` work-items.
+    pub(super) gemm_t: usize,
+    /// GEMV work-group (one output column per work-item) and input chunk staged per pass.
+    pub(super) gemv_wg: usize,
+    pub(super) gemv_kc: usize,
+    /// Row tiles of 8 and column tiles of one subgroup width per DPAS subgroup.
+    pub(super) dpas_mt: usize,
+    pub(super) dpas_nt: usize,
+}
+
+impl Default for Tiles {
+    fn default() -> Self {
+        Tiles { gemm_t: 16, gemv_wg: 64, gemv_kc: 64, dpas_mt: 2, dpas_nt: 2 }
+    }
+}
+
+impl Tiles {
+    /// The defaults with `spec` (`NAME=VALUE,...`) applied; a name or value out of range is an
+    /// error naming it, not a silent default.
+    pub(super) fn parse(spec: &str) -> Result<Self> {
+        let mut t = Tiles::default();
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let Some((name, value)) = item.split_once('=') else { bail!("QUIVER_OPENCL_TILES: `{item}` is not NAME=VALUE") };
+            let v: usize = value.trim().parse().map_err(|_| anyhow::anyhow!("QUIVER_OPENCL_TILES: {name}={value} is not a whole number"))?;
+            let (slot, lo, hi) = match name.trim() {
+                "GEMM_T" => (&mut t.gemm_t, 1, 32),
+                "GEMV_WG" => (&mut t.gemv_wg, 1, 1024),
+                "GEMV_KC" => (&mut t.gemv_kc, 1, 1024),
+                // Accumulators live in registers: 8 floats a lane per (row tile, column tile).
+                "DPAS_MT" => (&mut t.dpas_mt, 1, 4),
+                "DPAS_NT" => (&mut t.dpas_nt, 1, 4),
+                n => bail!("QUIVER_OPENCL_TILES: unknown tile `{n}` (expected GEMM_T, GEMV_WG, GEMV_KC, DPAS_MT, DPAS_NT)"),
+            };
+            if !(lo..=hi).contains(&v) {
+                bail!("QUIVER_OPENCL_TILES: {name}={v} is outside {lo}..={hi}");
+            }
+            *slot = v;
+        }
+        Ok(t)
+    }
+
+    /// The tiles of this run: `QUIVER_OPENCL_TILES` over the defaults.
+    pub(super) fn from_env() -> Result<Self> {
+        Self::parse(&std::env::var("QUIVER_OPENCL_TILES").unwrap_or_default())
+    }
+
+    /// The `-D` defines every program of the set is compiled with.
+    pub(super) fn defines(&self, set: &KernelSet) -> String {
+        let mut d = format!("-DGEMM_T={} -DGEMV_WG={} -DGEMV_KC={}", self.gemm_t, self.gemv_wg, self.gemv_kc);
+        if let KernelSet::Dpas { .. } = set {
+            d.push_str(&format!(" -DDPAS_MT={} -DDPAS_NT={}", self.dpas_mt, self.dpas_nt));
+        }
+        d
+    }
+
+    /// The largest work-group the GEMMs launch.
+    pub(super) fn max_work_group(&self) -> usize {
+        (self.gemm_t * self.gemm_t).max(self.gemv_wg)
+    }
+
+    /// Local memory the GEMM kernels use at most (gemm.cl's `xs`, `ws` arrays).
+    pub(super) fn local_mem_bytes(&self) -> usize {
+        let gemm = 2 * self.gemm_t * (self.gemm_t + 1);
+        let gemv = GEMV_ROWS * self.gemv_kc + self.gemv_wg * (self.gemv_kc + 1);
+        gemm.max(gemv) * 4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overrides_apply_and_bad_specs_name_the_tile() {
+        assert_eq!(Tiles::parse("").unwrap(), Tiles::default());
+        let t = Tiles::parse("GEMM_T=8, DPAS_NT=4").unwrap();
+        assert_eq!((t.gemm_t, t.dpas_nt, t.gemv_wg), (8, 4, 64));
+        assert!(t.defines(&KernelSet::Dpas { lanes: 16, emulated: false }).contains("-DDPAS_NT=4"));
+        assert!(!t.defines(&KernelSet::Portable).contains("DPAS"));
+        for (bad, says) in [("GEMM_T=0", "GEMM_T=0"), ("FOO=1", "FOO"), ("GEMV_KC", "NAME=VALUE"), ("DPAS_MT=x", "DPAS_MT=x")] {
+            let e = Tiles::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+}

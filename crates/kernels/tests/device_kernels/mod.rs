@@ -1,0 +1,217 @@
+//! Device ops against the CPU device (f32) on random inputs, for any device: fresh seeds each run
+//! (printed), outputs poisoned with NaN before the op so an unwritten element fails, shapes that
+//! are not multiples of any block, tile or warp size. Shared by `cuda_kernels.rs` and
+//! `opencl_kernels.rs`.
+#![allow(dead_code)]
+
+use quiver_kernels::cpu::CpuDevice;
+use quiver_kernels::{AttnBatch, DType, Device, KvLayout, RopeTable, Tensor, Weight};
+use rand::{rngs::StdRng, Rng as _, SeedableRng};
+
+/// Relative errors a device may show against the CPU (what it rounds differently).
+pub struct Tolerances {
+    pub matmul_f32: f64,
+    pub matmul_bf16: f64,
+    pub attention: f64,
+}
+
+/// Fresh seed per run (printed, so a failure can be replayed).
+pub struct Rng(pub StdRng);
+
+impl Rng {
+    pub fn fresh(tag: &str) -> Self {
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        eprintln!("{tag}: seed {seed}");
+        Rng(StdRng::seed_from_u64(seed))
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.0.random_range(-1.0f32..1.0) * scale).collect()
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        self.0.random_range(0..n)
+    }
+}
+
+pub fn poisoned(d: &dyn Device, len: usize) -> Tensor {
+    d.tensor_from(&vec![f32::NAN; len])
+}
+
+pub fn host(d: &dyn Device, t: &Tensor, len: usize) -> Vec<f32> {
+    let mut v = vec![0.0; len];
+    d.to_host(t, len, &mut v);
+    v
+}
+
+/// ‖got − want‖ / ‖want‖, failing on any NaN (an unwritten element).
+pub fn rel_err(what: &str, got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}: element {i} is {g} (unwritten or overflow); want {w}");
+        num += ((g - w) as f64).powi(2);
+        den += (w as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+pub fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    let e = rel_err(what, got, want);
+    eprintln!("{what}: rel err {e:.2e}");
+    assert!(e <= tol, "{what}: relative error {e:.3e} > {tol:.0e}");
+}
+
+/// Weight GEMMs of every shape class (one row, odd widths, k not a multiple of any tile), f32 and
+/// bf16 weights, with and without bias.
+pub fn matmul_matches_cpu(g: &dyn Device, tol: &Tolerances) {
+    let c = CpuDevice::new();
+    let mut r = Rng::fresh("matmul");
+    for &(m, n, k) in &[(1, 1, 1), (1, 577, 576), (3, 130, 67), (17, 1000, 129), (64, 256, 512), (200, 33, 1000), (5, 4099, 2048), (8, 300, 4096), (8, 129, 64), (2, 64, 1000), (1, 4099, 4096), (1, 33, 14336), (1, 1000, 1000), (1, 7, 8), (1, 130, 67), (1, 9, 520)] {
+        for dtype in [DType::Bf16, DType::F32] {
+            for with_bias in [false, true] {
+                let x = r.vec(m * k, 1.0);
+                let w = r.vec(n * k, 0.5);
+                let b = r.vec(n, 1.0);
+                let wc = c.load_weight(Weight::from_f32(n, k, w.clone(), dtype));
+                let wg = g.load_weight(Weight::from_f32(n, k, w, dtype));
+                let (bc, bg) = (c.tensor_from(&b), g.tensor_from(&b));
+                let (xc, xg) = (c.tensor_from(&x), g.tensor_from(&x));
+                let (mut yc, mut yg) = (poisoned(&c, m * n), poisoned(g, m * n));
+                c.matmul(&xc, m, &wc, with_bias.then_some(&bc), &mut yc);
+                g.matmul(&xg, m, &wg, with_bias.then_some(&bg), &mut yg);
+                let tol = if dtype == DType::Bf16 { tol.matmul_bf16 } else { tol.matmul_f32 };
+                check(&format!("matmul m={m} n={n} k={k} {dtype:?} bias={with_bias}"), &host(g, &yg, m * n), &yc.as_cpu()[..m * n], tol);
+            }
+        }
+    }
+}
+
+pub fn embedding_and_gather_match_cpu(g: &dyn Device) {
+    let c = CpuDevice::new();
+    let mut r = Rng::fresh("embedding");
+    for &(vocab, dim, rows) in &[(10, 1, 1), (1000, 67, 13), (32000, 576, 40)] {
+        for dtype in [DType::Bf16, DType::F32] {
+            let t = r.vec(vocab * dim, 1.0);
+            let tc = c.load_weight(Weight::from_f32(vocab, dim, t.clone(), dtype));
+            let tg = g.load_weight(Weight::from_f32(vocab, dim, t, dtype));
+            let ids: Vec<u32> = (0..rows).map(|_| r.below(vocab) as u32).collect();
+            let (mut oc, mut og) = (poisoned(&c, rows * dim), poisoned(g, rows * dim));
+            c.embedding(&tc, &ids, &mut oc);
+            g.embedding(&tg, &ids, &mut og);
+            check(&format!("embedding {vocab}x{dim} rows={rows} {dtype:?}"), &host(g, &og, rows * dim), &oc.as_cpu()[..rows * dim], 0.0);
+
+            let pick: Vec<u32> = (0..rows / 2 + 1).map(|_| r.below(rows) as u32).collect();
+            let (mut pc, mut pg) = (poisoned(&c, pick.len() * dim), poisoned(g, pick.len() * dim));
+            c.gather_rows(&oc, &pick, dim, &mut pc);
+            g.gather_rows(&og, &pick, dim, &mut pg);
+            check(&format!("gather_rows dim={dim} n={}", pick.len()), &host(g, &pg, pick.len() * dim), &pc.as_cpu()[..pick.len() * dim], 0.0);
+        }
+    }
+}
+
+pub fn norms_and_elementwise_match_cpu(g: &dyn Device) {
+    let c = CpuDevice::new();
+    let mut r = Rng::fresh("norms");
+    for &(rows, dim) in &[(1, 1), (3, 7), (9, 576), (33, 2051), (2, 4096)] {
+        let n = rows * dim;
+        let (x, d, w) = (r.vec(n, 3.0), r.vec(n, 1.0), r.vec(dim, 1.0));
+        let (wc, wg) = (c.tensor_from(&w), g.tensor_from(&w));
+        let (xc, xg) = (c.tensor_from(&x), g.tensor_from(&x));
+        let (mut oc, mut og) = (poisoned(&c, n), poisoned(g, n));
+        c.rms_norm(&xc, &wc, 1e-5, rows, dim, &mut oc);
+        g.rms_norm(&xg, &wg, 1e-5, rows, dim, &mut og);
+        check(&format!("rms_norm {rows}x{dim}"), &host(g, &og, n), &oc.as_cpu()[..n], 1e-5);
+
+        let (mut rc, mut rg) = (c.tensor_from(&x), g.tensor_from(&x));
+        let (dc, dg) = (c.tensor_from(&d), g.tensor_from(&d));
+        let (mut oc, mut og) = (poisoned(&c, n), poisoned(g, n));
+        c.add_rms_norm(&mut rc, &dc, &wc, 1e-6, rows, dim, &mut oc);
+        g.add_rms_norm(&mut rg, &dg, &wg, 1e-6, rows, dim, &mut og);
+        check(&format!("add_rms_norm out {rows}x{dim}"), &host(g, &og, n), &oc.as_cpu()[..n], 1e-5);
+        check(&format!("add_rms_norm resid {rows}x{dim}"), &host(g, &rg, n), &rc.as_cpu()[..n], 1e-6);
+
+        c.add_inplace(&mut rc, &dc, n);
+        g.add_inplace(&mut rg, &dg, n);
+        check(&format!("add_inplace {n}"), &host(g, &rg, n), &rc.as_cpu()[..n], 1e-6);
+
+        let gu = r.vec(rows * 2 * dim, 4.0);
+        let (gc, gg) = (c.tensor_from(&gu), g.tensor_from(&gu));
+        let (mut oc, mut og) = (poisoned(&c, n), poisoned(g, n));
+        c.silu_mul(&gc, rows, dim, &mut oc);
+        g.silu_mul(&gg, rows, dim, &mut og);
+        check(&format!("silu_mul {rows}x{dim}"), &host(g, &og, n), &oc.as_cpu()[..n], 1e-5);
+    }
+}
+
+pub fn rope_table(d: &dyn Device, head_dim: usize, max_pos: usize) -> RopeTable {
+    let half = head_dim / 2;
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for p in 0..max_pos {
+        for i in 0..half {
+            let a = p as f64 * 10000f64.powf(-((2 * i) as f64) / head_dim as f64);
+            cos.push(a.cos() as f32);
+            sin.push(a.sin() as f32);
+        }
+    }
+    RopeTable { head_dim, rotary_dim: head_dim, max_pos, cos: d.tensor_from(&cos), sin: d.tensor_from(&sin) }
+}
+
+pub fn rope_matches_cpu(g: &dyn Device) {
+    let c = CpuDevice::new();
+    let mut r = Rng::fresh("rope");
+    for &(rows, nh, nkv, hd) in &[(1, 1, 1, 2), (5, 9, 3, 64), (37, 32, 8, 128), (4, 6, 2, 80)] {
+        let (tc, tg) = (rope_table(&c, hd, 4096), rope_table(g, hd, 4096));
+        let width = (nh + 2 * nkv) * hd;
+        let x = r.vec(rows * width, 2.0);
+        let pos: Vec<u32> = (0..rows).map(|_| r.below(4096) as u32).collect();
+        let (mut xc, mut xg) = (c.tensor_from(&x), g.tensor_from(&x));
+        c.rope_qk(&mut xc, rows, &pos, nh, nkv, &tc);
+        g.rope_qk(&mut xg, rows, &pos, nh, nkv, &tg);
+        check(&format!("rope rows={rows} heads={nh}/{nkv} hd={hd}"), &host(g, &xg, rows * width), &xc.as_cpu()[..rows * width], 1e-5);
+    }
+}
+
+/// Varlen prefill of several sequences (block tables scattered over a shuffled pool), then a
+/// decode step of one row each, then a prefill chunk continuing each sequence (new rows attend to
+/// a cached prefix): every step's output against the CPU. Lengths straddle the prefill kernel's
+/// 64-row and 64-key tiles; head dims that are not multiples of its 32-dim padding.
+pub fn paged_attention_matches_cpu(g: &dyn Device, tol: &Tolerances) {
+    let c = CpuDevice::new();
+    let mut r = Rng::fresh("attention");
+    for &(nh, nkv, hd, bs) in &[(4, 4, 16, 16), (9, 3, 64, 16), (32, 8, 128, 16), (6, 2, 80, 8), (8, 2, 96, 16), (4, 1, 40, 16), (2, 2, 8, 16), (3, 1, 20, 16)] {
+        let lens = [1usize, 5, 17, 40, 64, 130, 200, 3]; // 8 rows in the decode step
+        let chunk = 70;
+        let max_blocks = (lens.iter().max().unwrap() + 1 + chunk).div_ceil(bs);
+        let num_blocks = lens.len() * max_blocks + 3;
+        let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+        for i in (1..pool.len()).rev() {
+            pool.swap(i, r.below(i + 1));
+        }
+        let tables: Vec<u32> = pool[..lens.len() * max_blocks].to_vec();
+        let layout = KvLayout { num_layers: 2, num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        let (mut kc, mut kg) = (c.alloc_kv(layout), g.alloc_kv(layout));
+        let width = (nh + 2 * nkv) * hd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        for step in 0..3 {
+            let (mut starts, mut positions, mut ctx) = (vec![0u32], Vec::new(), Vec::new());
+            for &l in &lens {
+                let (from, to) = match step {
+                    0 => (0, l),
+                    1 => (l, l + 1),
+                    _ => (l + 1, l + 1 + chunk),
+                };
+                positions.extend(from as u32..to as u32);
+                starts.push(positions.len() as u32);
+                ctx.push(to as u32);
+            }
+            let rows = positions.len();
+            let b = AttnBatch { seq_starts: &starts, positions: &positions, ctx_lens: &ctx, block_tables: &tables, block_table_stride: max_blocks };
+            let qkv = r.vec(rows * width, 2.0);
+            let (qc, qg) = (c.tensor_from(&qkv), g.tensor_from(&qkv));
+            let (mut oc, mut og) = (poisoned(&c, rows * nh * hd), poisoned(g, rows * nh * hd));
+            c.paged_attention(&qc, &b, &mut kc, 1, nh, scale, &mut oc);
+            g.paged_attention(&qg, &b, &mut kg, 1, nh, scale, &mut og);
+            check(&format!("attention heads={nh}/{nkv} hd={hd} bs={bs} step={step} rows={rows}"), &host(g, &og, rows * nh * hd), &oc.as_cpu()[..rows * nh * hd], tol.attention);
+        }
+    }
+}
+

@@ -1,0 +1,320 @@
+//! The LoRA device op of a device with its own memory (through the pool, the packed groups and
+//! the hook, as the model uses them) against the CPU reference backend on random batches: fresh
+//! seeds (printed), ranks 1..R with several below R in one batch, base rows interleaved (which
+//! must stay bit for bit as they were), slot reuse by smaller ranks, absent modules, 2- and
+//! 3-slice expands of unequal widths, odd widths (scalar paths) and multiples of 8 (vector
+//! paths), segments of length 1 to 2048, chunk boundaries, permuted rows, embedding and lm_head;
+//! and one step shape run under several adapter mixes (CUDA: a recorded graph replayed). Shared
+//! by `cuda_lora.rs` and `opencl_lora.rs`.
+#![allow(dead_code)]
+
+use crate::common::*;
+use quiver_kernels::{open_device, AttnBatch, Device, DeviceKind, LoraX, Tensor};
+use quiver_lora::backend::ReferenceBackend;
+use quiver_lora::{AdapterKey, LinearSite, LoraBackend, LoraConfig, LoraHook, LoraManager, LoraModelDims, LoraModule, SiteRef};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+
+/// Relative error of the delta. Adapters and inputs are bf16-representable (what the device
+/// stores and, on tensor cores, multiplies), so the device and the f64 reference differ only by
+/// f32 accumulation: far under bf16's own 1e-2. (With plain random f32 values a rank-1 site
+/// whose `x·a` cancels to near zero measured 15% relative error from A's bf16 rounding alone.)
+const TOL: f64 = 1e-3;
+
+/// A uniform value in [-1, 1) that bf16 represents exactly.
+fn bf16_value(rng: &mut StdRng) -> f32 {
+    half::bf16::from_f32(rng.random_range(-1.0..1.0)).to_f32()
+}
+
+/// Widths that are multiples of 8 (the kernels' 16-byte paths), unequal q / kv slices.
+pub const WIDE: LoraModelDims = LoraModelDims { num_layers: 2, hidden: 256, q_out: 256, kv_out: 64, intermediate: 704, vocab: 1000, moe: None };
+
+/// A pair of managers with the same adapters: CPU (reference backend, f32) and CUDA (`backend`).
+struct Pair {
+    cpu: LoraManager,
+    gpu: LoraManager,
+    dev: Arc<dyn Device>,
+    keys: Vec<(AdapterKey, AdapterKey)>,
+}
+
+impl Pair {
+    fn new(dims: LoraModelDims, slots: usize, rmax: usize, backend: &str, dev: Arc<dyn Device>, paths: &[std::path::PathBuf]) -> Pair {
+        let cfg = |backend: &str| LoraConfig {
+            max_loras_per_batch: slots,
+            max_lora_rank: rmax,
+            max_loaded_loras: paths.len().max(slots),
+            target_modules: LoraModule::ALL.to_vec(),
+            backend: backend.into(),
+            max_batch_tokens: 64,
+            ..Default::default()
+        };
+        let mut cpu = LoraManager::new(dims, cfg("reference"), open_device(DeviceKind::Cpu).unwrap()).unwrap();
+        let mut gpu = LoraManager::new(dims, cfg(backend), dev.clone()).unwrap();
+        let keys = paths.iter().enumerate().map(|(i, p)| (cpu.load_adapter(&format!("a{i}"), p).unwrap(), gpu.load_adapter(&format!("a{i}"), p).unwrap())).collect();
+        Pair { cpu, gpu, dev, keys }
+    }
+}
+
+/// Metadata of a batch of sequences with these row counts, as the model stages it.
+struct Staging {
+    starts: Vec<u32>,
+    positions: Vec<u32>,
+    ctx: Vec<u32>,
+    tables: Vec<u32>,
+    logits: Vec<u32>,
+    ids: Vec<u32>,
+}
+
+impl Staging {
+    fn new(lens: &[u32], vocab: usize, rng: &mut StdRng) -> Staging {
+        let mut starts = vec![0u32];
+        for l in lens {
+            starts.push(starts.last().unwrap() + l);
+        }
+        let m = *starts.last().unwrap() as usize;
+        Staging {
+            positions: vec![0; m],
+            ctx: lens.to_vec(),
+            tables: vec![0; lens.len()],
+            logits: starts[1..].iter().map(|s| s - 1).collect(),
+            ids: (0..m).map(|_| rng.random_range(0..vocab as u32 + 3)).collect(),
+            starts,
+        }
+    }
+    fn attn(&self) -> AttnBatch<'_> {
+        AttnBatch { seq_starts: &self.starts, positions: &self.positions, ctx_lens: &self.ctx, block_tables: &self.tables, block_table_stride: 1 }
+    }
+}
+
+fn to_host(d: &dyn Device, t: &Tensor, len: usize) -> Vec<f32> {
+    let mut v = vec![0.0; len];
+    d.to_host(t, len, &mut v);
+    v
+}
+
+/// Runs every site of the prepared batch through the hook on both devices and compares: the
+/// delta of every adapter row within `TOL` (relative, over the whole site), every other row
+/// exactly as it was. Returns the sites checked.
+fn check_batch(p: &mut Pair, seqs: &[Option<usize>], st: &Staging, rng: &mut StdRng, ctx: &str) -> usize {
+    let ckeys: Vec<Option<AdapterKey>> = seqs.iter().map(|s| s.map(|i| p.keys[i].0)).collect();
+    let gkeys: Vec<Option<AdapterKey>> = seqs.iter().map(|s| s.map(|i| p.keys[i].1)).collect();
+    p.cpu.prepare_batch(&ckeys, &st.starts, &st.logits).unwrap();
+    p.gpu.prepare_batch(&gkeys, &st.starts, &st.logits).unwrap();
+    let dev = &*p.dev;
+    let (info, ginfo) = (p.cpu.batch_info(), p.gpu.batch_info());
+    let (t, l) = (&ginfo.tokens, &ginfo.logits);
+    let staged: [&[u32]; 4] = [&t.packed_segments, &t.packed_chunks, &l.packed_segments, &l.packed_chunks];
+    dev.stage_batch(&st.ids, &st.attn(), &st.logits, &staged);
+    let cpu = open_device(DeviceKind::Cpu).unwrap();
+    let mut checked = 0;
+    for ((what, cs, emb, on_logits), (_, gs, _, _)) in pool_sites(&p.cpu).into_iter().zip(pool_sites(&p.gpu)) {
+        let g = if on_logits { &info.logits } else { &info.tokens };
+        let rows = g.rows();
+        let (din, dout) = (cs.buffers.shape.in_dim, cs.buffers.shape.out_dim());
+        let x: Vec<f32> = (0..rows * din).map(|_| bf16_value(rng)).collect();
+        let y0: Vec<f32> = (0..rows * dout).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let (xc, xg) = (Tensor::cpu(x.clone()), dev.tensor_from(&x));
+        let (mut yc, mut yg) = (Tensor::cpu(y0.clone()), dev.tensor_from(&y0));
+        let (ix, igx) = if emb { (LoraX::TokenIds(&st.ids), LoraX::TokenIds(&st.ids)) } else { (LoraX::Dense(&xc), LoraX::Dense(&xg)) };
+        ReferenceBackend.apply(&*cpu, cs, g, ix, &mut yc);
+        let gg = if on_logits { &ginfo.logits } else { &ginfo.tokens };
+        p.gpu_backend_apply(dev, gs, gg, igx, &mut yg);
+        let want = yc.as_cpu()[..rows * dout].to_vec();
+        let got = to_host(dev, &yg, rows * dout);
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for r in 0..rows {
+            let adapter = g.row_slot[r] >= 0 && cs.table.ranks_at(cs.entry)[g.row_slot[r] as usize] > 0;
+            for c in 0..dout {
+                let i = r * dout + c;
+                assert!(got[i].is_finite(), "{ctx}: {what} row {r} col {c} is {}", got[i]);
+                if adapter {
+                    num += ((got[i] - want[i]) as f64).powi(2);
+                    den += ((want[i] - y0[i]) as f64).powi(2);
+                } else {
+                    assert_eq!(got[i], y0[i], "{ctx}: {what}: row {r} (no adapter here) changed at column {c}");
+                }
+            }
+        }
+        let rel = (num / den.max(1e-30)).sqrt();
+        if rel > TOL {
+            // Which rows are off, by how much, and what the grouping was: enough to tell a
+            // kernel's indexing from a race.
+            for r in 0..rows {
+                let slot = g.row_slot[r];
+                let d: f64 = (0..dout).map(|c| ((got[r * dout + c] - want[r * dout + c]) as f64).powi(2)).sum::<f64>().sqrt();
+                let w: f64 = (0..dout).map(|c| ((want[r * dout + c] - y0[r * dout + c]) as f64).powi(2)).sum::<f64>().sqrt();
+                let rank = if slot >= 0 { cs.table.ranks_at(cs.entry)[slot as usize] } else { 0 };
+                eprintln!("  row {r}: cpu slot {slot} rank {rank}, gpu slot {}, |err| {d:.3e}, |delta| {w:.3e}", gg.row_slot[r]);
+            }
+            eprintln!("  gpu packed segments {:?}\n  gpu packed chunks {:?}", &gg.packed_segments, &gg.packed_chunks);
+        }
+        assert!(rel <= TOL, "{ctx}: {what} ({rows} rows): relative error of the delta {rel:.3e} > {TOL:.0e}");
+        checked += 1;
+    }
+    checked
+}
+
+impl Pair {
+    /// The CUDA manager's own backend on one site (what `BatchHook` does).
+    fn gpu_backend_apply(&self, dev: &dyn Device, s: SiteRef<'_>, g: &quiver_lora::batch::RowGrouping, x: LoraX<'_>, y: &mut Tensor) {
+        let b = quiver_lora::backend::create_backend(self.gpu.backend_name(), dev.kind()).unwrap();
+        b.apply(dev, s, g, x, y);
+    }
+}
+
+fn adapters(dims: &LoraModelDims, rng: &mut StdRng, n: usize, rmax: usize) -> Vec<std::path::PathBuf> {
+    let sets: [&[LoraModule]; 5] = [
+        &LoraModule::ALL,
+        &[LoraModule::QProj, LoraModule::VProj],
+        &[LoraModule::KProj, LoraModule::UpProj, LoraModule::LmHead],
+        &[LoraModule::GateProj, LoraModule::DownProj, LoraModule::OProj, LoraModule::EmbedTokens],
+        &[LoraModule::QProj],
+    ];
+    (0..n)
+        .map(|i| {
+            let r = if i == 0 { rmax } else { rng.random_range(1..=rmax) };
+            let mods = sets[rng.random_range(0..sets.len())];
+            random_adapter_for(dims, "cuda", rng.random(), r, 2.0 * r as f32, mods, &|_, _| r, serde_json::json!({"use_rslora": i % 3 == 2}), true)
+        })
+        .collect()
+}
+
+/// Random batches through every backend against the CPU reference.
+pub fn lora_matches_cpu_reference_on_random_batches(dev: Arc<dyn Device>, tag: &str) {
+    let seed = fresh_seed();
+    eprintln!("{tag} lora: seed {seed} (QUIVER_TEST_SEED to replay)");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut checked = 0;
+    for (round, dims) in [DIMS, WIDE, DIMS, WIDE, WIDE, WIDE].into_iter().enumerate() {
+        let rmax = [4usize, 8, 16, 16, 64, 32][round];
+        let slots = rng.random_range(2..=5);
+        let paths = adapters(&dims, &mut rng, slots + 2, rmax);
+        for backend in ["segmented", "chunked", "auto"] {
+            let mut p = Pair::new(dims, slots, rmax, backend, dev.clone(), &paths);
+            for step in 0..6 {
+                let decode = step % 2 == 0;
+                let nseq = if decode { rng.random_range(1..=40) } else { rng.random_range(1..=8) };
+                let lens: Vec<u32> = (0..nseq).map(|_| if decode { 1 } else { [1u32, 2, 7, 15, 16, 17, 33, 100][rng.random_range(0..8)] }).collect();
+                // At most `slots` distinct adapters, a quarter of the rows on the base model.
+                let mut pick: Vec<usize> = (0..paths.len()).collect();
+                for i in (1..pick.len()).rev() {
+                    pick.swap(i, rng.random_range(0..=i));
+                }
+                pick.truncate(slots);
+                let seqs: Vec<Option<usize>> = (0..nseq).map(|_| (!rng.random_bool(0.25)).then(|| pick[rng.random_range(0..pick.len())])).collect();
+                let st = Staging::new(&lens, dims.vocab, &mut rng);
+                checked += check_batch(&mut p, &seqs, &st, &mut rng, &format!("seed {seed} round {round} {backend} step {step}"));
+            }
+        }
+    }
+    // One 2048-row segment next to short ones (the prefill shape), every backend.
+    let paths = adapters(&WIDE, &mut rng, 3, 16);
+    for backend in ["segmented", "chunked", "auto"] {
+        let mut p = Pair::new(WIDE, 3, 16, backend, dev.clone(), &paths);
+        let st = Staging::new(&[2048, 1, 2, 33], WIDE.vocab, &mut rng);
+        checked += check_batch(&mut p, &[Some(0), None, Some(1), Some(2)], &st, &mut rng, &format!("seed {seed} long segment {backend}"));
+    }
+    eprintln!("{tag} lora: {checked} site calls matched the CPU reference");
+}
+
+/// A slot rewritten by a rank-2 adapter lacking most modules after a rank-16 one with all of
+/// them: bit for bit what a fresh pool holding only the small one gives.
+pub fn slot_reuse_by_smaller_rank_leaks_nothing(dev: Arc<dyn Device>) {
+    let seed = fresh_seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let big = random_adapter_for(&WIDE, "big", rng.random(), 16, 32.0, &LoraModule::ALL, &|_, _| 16, serde_json::json!({}), true);
+    let small = random_adapter_for(&WIDE, "small", rng.random(), 2, 4.0, &[LoraModule::KProj, LoraModule::UpProj], &|_, _| 2, serde_json::json!({}), true);
+    let cfg = || LoraConfig { max_loras_per_batch: 1, max_lora_rank: 16, max_loaded_loras: 2, target_modules: LoraModule::ALL.to_vec(), backend: "chunked".into(), ..Default::default() };
+    let mut reused = LoraManager::new(WIDE, cfg(), dev.clone()).unwrap();
+    let kb = reused.load_adapter("big", &big).unwrap();
+    let ks = reused.load_adapter("small", &small).unwrap();
+    let st = Staging::new(&[1, 1, 1, 1, 1], WIDE.vocab, &mut rng);
+    reused.prepare_batch(&[Some(kb); 5], &st.starts, &st.logits).unwrap();
+    let mut fresh = LoraManager::new(WIDE, cfg(), dev.clone()).unwrap();
+    let kf = fresh.load_adapter("small", &small).unwrap();
+    let x: Vec<f32> = (0..5 * WIDE.intermediate).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let mut outs = Vec::new();
+    for (mgr, key) in [(&mut reused, ks), (&mut fresh, kf)] {
+        let hook = mgr.prepare_batch(&[Some(key); 5], &st.starts, &st.logits).unwrap();
+        dev.stage_batch(&st.ids, &st.attn(), &st.logits, &hook.staged());
+        let mut all = Vec::new();
+        for l in 0..WIDE.num_layers {
+            for s in LinearSite::ALL {
+                let (din, dout) = (WIDE.site_dims(s).0, { let (_, w, n) = WIDE.site_dims(s); w[..n].iter().sum::<usize>() });
+                let xg = dev.tensor_from(&x[..5 * din]);
+                let mut y = dev.tensor_from(&vec![0.0; 5 * dout]);
+                hook.linear(&*dev, l, s, &xg, 5, &mut y);
+                all.push(to_host(&*dev, &y, 5 * dout));
+            }
+        }
+        outs.push(all);
+    }
+    assert_eq!(outs[0], outs[1], "seed {seed}: reused slot differs from a fresh one");
+    let o_site = &outs[0][LinearSite::O.index()];
+    assert!(o_site.iter().all(|&v| v == 0.0), "seed {seed}: o_proj delta leaked from the evicted adapter");
+    let qkv = &outs[0][LinearSite::Qkv.index()];
+    let out = WIDE.q_out + 2 * WIDE.kv_out;
+    for r in 0..5 {
+        let row = &qkv[r * out..(r + 1) * out];
+        assert!(row[..WIDE.q_out].iter().all(|&v| v == 0.0), "q slice leaked");
+        assert!(row[WIDE.q_out + WIDE.kv_out..].iter().all(|&v| v == 0.0), "v slice leaked");
+        assert!(row[WIDE.q_out..WIDE.q_out + WIDE.kv_out].iter().any(|&v| v != 0.0), "k slice missing");
+    }
+}
+
+/// One decode shape run under one shape key (on CUDA the first step records a graph, the others
+/// replay it), with other adapter mixes: more segments and chunks than the first, other slots,
+/// one adapter row, all base but one. Each must equal the CPU reference for its own mix (SGLang
+/// shipped a graph that dropped every segment beyond the recorded count).
+pub fn shape_keyed_steps_follow_the_adapter_mix(dev: Arc<dyn Device>) {
+    let seed = fresh_seed();
+    eprintln!("shape-keyed steps: seed {seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let paths = adapters(&WIDE, &mut rng, 4, 16);
+    let mut p = Pair::new(WIDE, 4, 16, "auto", dev.clone(), &paths);
+    let rows = 24usize;
+    let st = Staging::new(&vec![1; rows], WIDE.vocab, &mut rng);
+    let mixes: Vec<Vec<Option<usize>>> = vec![
+        vec![Some(0); rows],
+        (0..rows).map(|i| [Some(0), Some(1), Some(2), Some(3), None][i % 5]).collect(),
+        (0..rows).map(|i| (i == 7).then_some(2)).collect(),
+        (0..rows).map(|i| Some([3, 1][i % 2])).collect(),
+        (0..rows).map(|i| [Some(1), None][i % 2]).collect(),
+    ];
+    let (din, dout) = (WIDE.hidden, WIDE.q_out + 2 * WIDE.kv_out);
+    let x: Vec<f32> = (0..rows * din).map(|_| bf16_value(&mut rng)).collect();
+    let xg = dev.tensor_from(&x);
+    let xc = Tensor::cpu(x.clone());
+    let mut yg = dev.tensor_from(&vec![0.0; rows * dout]);
+    for (n, mix) in mixes.iter().enumerate() {
+        let ck: Vec<Option<AdapterKey>> = mix.iter().map(|s| s.map(|i| p.keys[i].0)).collect();
+        let gk: Vec<Option<AdapterKey>> = mix.iter().map(|s| s.map(|i| p.keys[i].1)).collect();
+        let want = {
+            let hook = p.cpu.prepare_batch(&ck, &st.starts, &st.logits).unwrap();
+            let mut y = Tensor::zeros_cpu(rows * dout);
+            hook.linear(&quiver_kernels::cpu::CpuDevice::new(), 1, LinearSite::Qkv, &xc, rows, &mut y);
+            y.as_cpu()[..rows * dout].to_vec()
+        };
+        let hook = p.gpu.prepare_batch(&gk, &st.starts, &st.logits).unwrap();
+        dev.upload(&vec![0.0; rows * dout], &mut yg);
+        dev.stage_batch(&st.ids, &st.attn(), &st.logits, &hook.staged());
+        // The same shape key every time: the first call records, the others replay.
+        dev.run_step(rows, Some(0x5eed ^ hook.shape_key()), &mut || hook.linear(&*dev, 1, LinearSite::Qkv, &xg, rows, &mut yg));
+        let got = to_host(&*dev, &yg, rows * dout);
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for (r, s) in mix.iter().enumerate() {
+            for c in 0..dout {
+                let i = r * dout + c;
+                if s.is_none() {
+                    assert_eq!(got[i], 0.0, "mix {n}: base row {r} changed");
+                }
+                num += ((got[i] - want[i]) as f64).powi(2);
+                den += (want[i] as f64).powi(2);
+            }
+        }
+        let rel = (num / den.max(1e-30)).sqrt();
+        eprintln!("shape-keyed step, mix {n}: relative error {rel:.2e}");
+        assert!(rel <= TOL, "seed {seed}: replay with mix {n}: relative error {rel:.3e}");
+    }
+}
