@@ -164,29 +164,13 @@ pub fn argmax(logits: &[f32]) -> u32 {
     quiver_kernels::sample::argmax(logits)
 }
 
-/// The chosen token's logprob, its 1-based rank and the top `n` alternatives.
+/// The chosen token's logprob, its 1-based rank and the top `n` alternatives (the same
+/// reference the devices' sampling op returns them by).
 pub fn token_logprob(logits: &[f32], token: u32, n: usize) -> crate::api::TokenLogprob {
-    let mut top = Vec::new();
-    let logprob = logprobs(logits, token, n, &mut top);
-    let l = logits[token as usize];
-    let rank = 1 + logits.iter().filter(|&&x| x > l).count() as u32;
-    crate::api::TokenLogprob { logprob, top, rank }
-}
-
-/// `log_softmax(logits)[token]` and the top-`n` (token, logprob) pairs.
-pub fn logprobs(logits: &[f32], token: u32, n: usize, top: &mut Vec<(u32, f32)>) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + logits.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
-    top.clear();
-    if n > 0 {
-        let mut idx: Vec<(f32, u32)> = logits.iter().enumerate().map(|(i, &l)| (l, i as u32)).collect();
-        let n = n.min(idx.len());
-        idx.select_nth_unstable_by(n - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        idx.truncate(n);
-        idx.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        top.extend(idx.into_iter().map(|(l, i)| (i, l - lse)));
-    }
-    logits[token as usize] - lse
+    let mut out = quiver_kernels::sample::SampleOut::default();
+    quiver_kernels::sample::logprobs_into(logits, token, n, &mut out, &mut Vec::new());
+    let top = (0..out.n_top as usize).map(|k| (out.top_ids[k], out.top_logprobs[k])).collect();
+    crate::api::TokenLogprob { logprob: out.logprob, top, rank: out.rank }
 }
 
 #[cfg(test)]
@@ -227,11 +211,10 @@ mod tests {
     #[test]
     fn logprobs_normalise() {
         let logits = vec![1.0f32, 2.0, 3.0];
-        let mut top = Vec::new();
-        let lp = logprobs(&logits, 2, 2, &mut top);
+        let t = token_logprob(&logits, 2, 2);
         let z: f32 = logits.iter().map(|l| l.exp()).sum();
-        assert!((lp - (3.0f32.exp() / z).ln()).abs() < 1e-6);
-        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+        assert!((t.logprob - (3.0f32.exp() / z).ln()).abs() < 1e-6);
+        assert_eq!(t.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
         let t = token_logprob(&logits, 0, 1);
         assert_eq!((t.rank, t.top.len()), (3, 1));
         assert!((t.logprob - (1.0f32.exp() / z).ln()).abs() < 1e-6);

@@ -163,8 +163,8 @@ pub fn draw(logits: &[f32], spec: &SampleSpec, scratch: &mut Vec<(f32, u32)>) ->
 }
 
 /// The token's logprob (`log_softmax`, the sum in f64), its rank and the `n` best alternatives
-/// (rank order) into `out`.
-pub fn logprobs_into(logits: &[f32], token: u32, n: usize, out: &mut SampleOut) {
+/// (rank order: logit descending, id ascending) into `out`; `scratch` is reused between calls.
+pub fn logprobs_into(logits: &[f32], token: u32, n: usize, out: &mut SampleOut, scratch: &mut Vec<(f32, u32)>) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let lse = max + logits.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
     let l = logits[token as usize];
@@ -173,23 +173,18 @@ pub fn logprobs_into(logits: &[f32], token: u32, n: usize, out: &mut SampleOut) 
     out.rank = 1 + logits.iter().filter(|&&x| x > l).count() as u32;
     let n = n.min(TOP_LOGPROBS_MAX).min(logits.len());
     out.n_top = n as u32;
-    // n passes of "the best not yet taken", as the kernels do; n ≤ 20.
-    let mut prev: Option<(f32, u32)> = None;
-    for k in 0..n {
-        let mut best: Option<(f32, u32)> = None;
-        for (i, &x) in logits.iter().enumerate() {
-            let after_prev = match prev {
-                None => true,
-                Some((pl, pi)) => x < pl || (x == pl && (i as u32) > pi),
-            };
-            if after_prev && best.is_none_or(|(bl, _)| x > bl) {
-                best = Some((x, i as u32));
-            }
-        }
-        let (bl, bi) = best.expect("n ≤ vocab");
-        out.top_ids[k] = bi;
-        out.top_logprobs[k] = bl - lse;
-        prev = Some((bl, bi));
+    if n == 0 {
+        return;
+    }
+    let rank_order = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    scratch.clear();
+    scratch.extend(logits.iter().enumerate().map(|(i, &x)| (x, i as u32)));
+    scratch.select_nth_unstable_by(n - 1, rank_order);
+    let best = &mut scratch[..n];
+    best.sort_unstable_by(rank_order);
+    for (k, &(x, i)) in best.iter().enumerate() {
+        out.top_ids[k] = i;
+        out.top_logprobs[k] = x - lse;
     }
 }
 
@@ -201,7 +196,7 @@ pub fn sample_rows_host(logits: &[f32], vocab: usize, specs: &[SampleSpec], out:
         o.token = tok;
         o.n_top = 0;
         if s.logprobs >= 0 {
-            logprobs_into(row, tok, s.logprobs as usize, o);
+            logprobs_into(row, tok, s.logprobs as usize, o, scratch);
         }
     }
 }
@@ -272,7 +267,7 @@ mod tests {
     fn logprobs_normalise_and_rank() {
         let l = [1.0f32, 3.0, 2.0, 3.0];
         let mut o = SampleOut::default();
-        logprobs_into(&l, 2, 3, &mut o);
+        logprobs_into(&l, 2, 3, &mut o, &mut Vec::new());
         let z: f64 = l.iter().map(|&x| (x as f64).exp()).sum();
         assert!((o.logprob as f64 - (2.0f64.exp() / z).ln()).abs() < 1e-6);
         assert_eq!(o.rank, 3);

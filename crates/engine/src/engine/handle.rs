@@ -38,8 +38,8 @@ impl EngineHandle {
             return Err(SubmitError::Invalid(format!("n must be in 1..={}, got {}", sh.cfg.max_running_requests, req.n)));
         }
         for (name, k) in [("top_logprobs", req.logprobs), ("prompt_logprobs", req.prompt_logprobs)] {
-            if k.is_some_and(|k| k > 20) {
-                return Err(SubmitError::Invalid(format!("{name} must be at most 20, got {}", k.unwrap_or_default())));
+            if k.is_some_and(|k| k > quiver_kernels::sample::TOP_LOGPROBS_MAX) {
+                return Err(SubmitError::Invalid(format!("{name} must be at most {}, got {}", quiver_kernels::sample::TOP_LOGPROBS_MAX, k.unwrap_or_default())));
             }
         }
         req.sampling.validate().map_err(SubmitError::Invalid)?;

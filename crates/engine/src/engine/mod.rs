@@ -38,7 +38,7 @@ use crate::kv::{BlockId, BlockPool, Parent};
 use crate::sampling::{self, Sampler, SamplingParams};
 use crate::structured::{Grammars, Guide};
 use crate::text::{Detok, StopScan};
-use quiver_kernels::sample::{SampleOut, SampleSpec, TOP_LOGPROBS_MAX};
+use quiver_kernels::sample::{SampleOut, SampleSpec};
 use quiver_kernels::KvStorage;
 use quiver_lora::adapter::FileStamp;
 use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora, ReadLimits};

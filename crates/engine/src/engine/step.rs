@@ -184,7 +184,7 @@ impl Core {
     pub(super) fn draws_on_device(&self, si: usize) -> bool {
         let s = self.seq(si);
         let r = self.req(s.req);
-        s.guide.is_none() && !s.sampler.needs_host() && s.tokens.len() - r.prompt_len >= r.min_tokens && r.logprobs.is_none_or(|k| k <= TOP_LOGPROBS_MAX)
+        s.guide.is_none() && !s.sampler.needs_host() && s.tokens.len() - r.prompt_len >= r.min_tokens
     }
 
     fn device_spec(&self, si: usize, row: usize) -> SampleSpec {
