@@ -138,6 +138,7 @@ fn weight_elems(m: &LlamaModel) -> f64 {
 }
 
 pub fn run(a: BenchGenerateArgs) -> Result<()> {
+    anyhow::ensure!(a.decode_context >= 1, "--decode-context must be at least 1 (a decode step needs a context)");
     let (lm, label) = a.shape.model_or_file(a.model.clone(), a.device, a.dtype)?;
     let m = &lm.model;
     let threads = rayon::current_num_threads();
