@@ -350,7 +350,9 @@ fn hf_moe(v: &Value, arch: Arch) -> Result<Option<MoeConfig>> {
             let layers = req("num_hidden_layers")?;
             let step = int("decoder_sparse_step").unwrap_or(1).max(1);
             let only: Vec<usize> = v["mlp_only_layers"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as usize).collect()).unwrap_or_default();
-            let num_experts = req("num_experts")?;
+            // transformers ≥ 5.17 saves Qwen3-MoE's expert count as `num_local_experts` (Mixtral's
+            // spelling); earlier versions and Qwen2-MoE as `num_experts`.
+            let num_experts = int("num_experts").or_else(|| int("num_local_experts")).context("missing or non-integer field `num_experts` (or `num_local_experts`)")?;
             MoeConfig {
                 num_experts,
                 top_k: top_k()?,
@@ -417,5 +419,28 @@ mod tests {
         assert_eq!(c.rope_theta, 1e6);
         assert!(c.rope_scaling.is_none());
         assert_eq!(ModelConfig::from_hf_json(&base()).unwrap().rope_theta, 10000.0);
+    }
+
+    /// Qwen3-MoE's expert count under both spellings transformers has written (`num_experts`;
+    /// `num_local_experts` from 5.17); neither is an error naming both.
+    #[test]
+    fn qwen3_moe_expert_count_in_both_spellings() {
+        let moe = |key: Option<&str>| {
+            let mut v = base();
+            v["architectures"] = json!(["Qwen3MoeForCausalLM"]);
+            v["num_experts_per_tok"] = json!(2);
+            v["moe_intermediate_size"] = json!(32);
+            v["head_dim"] = json!(16);
+            if let Some(k) = key {
+                v[k] = json!(8);
+            }
+            ModelConfig::from_hf_json(&v)
+        };
+        for k in ["num_experts", "num_local_experts"] {
+            let c = moe(Some(k)).unwrap_or_else(|e| panic!("{k}: {e:#}"));
+            assert_eq!(c.moe.as_ref().map(|m| (m.num_experts, m.top_k)), Some((8, 2)), "{k}");
+        }
+        let e = format!("{:#}", moe(None).unwrap_err());
+        assert!(e.contains("num_experts") && e.contains("num_local_experts"), "{e}");
     }
 }
