@@ -24,7 +24,7 @@ pub use moe::{ExpertWeights, MoeRouting, QkNorm, RouterSpec};
 use std::fmt;
 use std::sync::Arc;
 
-pub use lora::{GroupRows, LoraCall, LoraGroups, LoraSiteBuffers, LoraSiteShape, LoraStorage, LoraTable, LoraX};
+pub use lora::{GroupRows, LoraCall, LoraGroups, LoraImage, LoraSiteBuffers, LoraSiteShape, LoraStorage, LoraTable, LoraX};
 
 /// Where a [`Device`] computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -279,6 +279,38 @@ pub struct RopeTable {
     pub sin: Tensor,
 }
 
+/// What follows a projection in [`Device::matmul_lora`].
+pub enum Epilogue<'a> {
+    Plain,
+    /// [`Device::rope_qk`] on the fused qkv output.
+    RopeQk { positions: &'a [u32], n_heads: usize, n_kv_heads: usize, table: &'a RopeTable },
+    /// [`Device::silu_mul`] of the fused `[gate; up]` output into `out`.
+    SiluMul { out: &'a mut Tensor },
+}
+
+impl Epilogue<'_> {
+    /// Applies the epilogue to the projection output `y` (`m` rows, by weight `w`) as its own op.
+    pub fn run<D: Device + ?Sized>(self, d: &D, y: &mut Tensor, m: usize, w: &Weight) {
+        match self {
+            Epilogue::Plain => {}
+            Epilogue::RopeQk { positions, n_heads, n_kv_heads, table } => d.rope_qk(y, m, positions, n_heads, n_kv_heads, table),
+            Epilogue::SiluMul { out } => d.silu_mul(y, m, w.rows / 2, out),
+        }
+    }
+}
+
+/// A projection without a delta and its epilogue, through the device's fused ops.
+fn epilogue_after_matmul<D: Device + ?Sized>(d: &D, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor) {
+    match epilogue {
+        Epilogue::Plain => d.matmul(x, m, w, bias, y),
+        Epilogue::RopeQk { positions, n_heads, n_kv_heads, table } => d.matmul_rope_qk(x, m, w, bias, y, positions, n_heads, n_kv_heads, table),
+        Epilogue::SiluMul { out } => {
+            debug_assert!(bias.is_none(), "a fused gate_up projection has no bias");
+            d.matmul_silu_mul(x, m, w, y, out)
+        }
+    }
+}
+
 /// The ops a model needs. One implementation per device; the model holds `Arc<dyn Device>`.
 pub trait Device: Send + Sync {
     fn kind(&self) -> DeviceKind;
@@ -386,6 +418,18 @@ pub trait Device: Send + Sync {
         self.matmul(x, m, w, bias, qkv);
         self.rope_qk(qkv, m, positions, n_heads, n_kv_heads, table);
     }
+    /// A projection with its LoRA delta: `y = x·Wᵀ (+ bias)`, then `y += Δ(x)` for the rows of
+    /// `lora` (none: no delta), then `epilogue` — the model's one seam for a projection that
+    /// may carry adapters (llama.cpp's `build_lora_mm`), so a device may fold the delta into
+    /// the projection's own pass and keep the epilogue fused (CUDA at one row). The default is
+    /// those steps one after another, exactly as separate calls.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_lora(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, lora: Option<&LoraCall<'_>>, epilogue: Epilogue<'_>, y: &mut Tensor) {
+        let Some(call) = lora else { return epilogue_after_matmul(self, x, m, w, bias, epilogue, y) };
+        self.matmul(x, m, w, bias, y);
+        self.lora_apply(call, LoraX::Dense(x), y);
+        epilogue.run(self, y, m, w);
+    }
     /// Writes each row's k/v (from the fused qkv buffer) into the paged cache of `layer`, then
     /// computes causal attention of each new query against its sequence's whole context.
     /// `out` is `[rows, n_heads·head_dim]`.
@@ -414,6 +458,23 @@ pub trait Device: Send + Sync {
         let b = &mut buf.b.host_mut()[slot * bl..(slot + 1) * bl];
         b.fill(0.0);
         fill(a, b);
+    }
+    /// Host memory for `elems` pool elements laid out as this device's pool holds them, from
+    /// which [`Self::lora_write_slot_image`] copies without converting; `None` (the default)
+    /// where the pool is host memory and [`Self::lora_write_slot`] is already one pass.
+    fn lora_image(&self, _elems: usize) -> Option<LoraImage> {
+        None
+    }
+    /// Writes one site's slot contents into `image` at element `offset`: `fill` as for
+    /// [`Self::lora_write_slot`] (zeroed f32 A and Bᵀ of `shape`).
+    fn lora_image_fill(&self, _image: &mut LoraImage, _offset: usize, _shape: LoraSiteShape, _fill: &mut dyn FnMut(&mut [f32], &mut [f32])) {
+        unreachable!("lora_image_fill on a device that makes no LoRA images")
+    }
+    /// Rewrites slot `slot` of `buf` from the site at `offset` of `image`, queued behind the
+    /// device's earlier work (a step still reading the old adapter finishes first); the host
+    /// does not wait for the copy.
+    fn lora_write_slot_image(&self, _buf: &mut LoraSiteBuffers, _slot: usize, _image: &LoraImage, _offset: usize) {
+        unreachable!("lora_write_slot_image on a device that makes no LoRA images")
     }
     /// Copies the host side of `table` into its device mirror (after slots were loaded or freed).
     fn lora_sync_table(&self, _table: &mut LoraTable) {}

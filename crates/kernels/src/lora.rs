@@ -103,6 +103,27 @@ impl LoraStorage {
     }
 }
 
+/// An adapter's pool contents laid out as a device's pool holds them, in host memory the device
+/// copies from directly (page-locked bf16 on CUDA): built the first time the adapter is
+/// activated, so activating it again is copies only, with no conversion and no staging
+/// ([`crate::Device::lora_image`]). Sites follow one another in the pool's order, each its
+/// slot's A then Bᵀ (`a_slot_len + b_slot_len` elements).
+pub struct LoraImage {
+    pub elems: usize,
+    /// Every site has been written into it.
+    pub filled: bool,
+    /// The pool's key for the device and site shapes it was made for (0 as the device makes
+    /// it): an image is reused only by a pool of the same layout.
+    pub layout: u64,
+    pub data: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for LoraImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LoraImage({} elements{})", self.elems, if self.filled { "" } else { ", unfilled" })
+    }
+}
+
 /// The slot buffers of one site on a device: A `(S, n·R, in)` and Bᵀ `(S, R, b_ld)`.
 pub struct LoraSiteBuffers {
     pub shape: LoraSiteShape,

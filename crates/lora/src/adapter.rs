@@ -54,6 +54,24 @@ pub struct LoraAdapter {
     pub embed_tokens: Option<ModuleWeights>,
     pub lm_head: Option<ModuleWeights>,
     pub stamp: Option<FileStamp>,
+    /// The pool's image of this adapter on the model's device, made at its first activation.
+    pub(crate) image: DeviceImage,
+}
+
+/// An adapter's [`quiver_kernels::LoraImage`] (the pool's contents for it as the device holds
+/// them, in host memory the device copies from directly), made by the pool the first time the
+/// adapter is activated so the next activations are copies only. Clones of the adapter share
+/// it; it goes when the adapter's host copy goes (host-cache eviction, replacement).
+#[derive(Clone, Default)]
+pub struct DeviceImage(pub(crate) std::sync::Arc<std::sync::Mutex<Option<quiver_kernels::LoraImage>>>);
+
+impl std::fmt::Debug for DeviceImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.try_lock() {
+            Ok(g) => write!(f, "{:?}", *g),
+            Err(_) => write!(f, "DeviceImage(in use)"),
+        }
+    }
 }
 
 fn proj_index(m: LoraModule) -> usize {
@@ -384,6 +402,7 @@ impl LoraAdapter {
             embed_tokens: None,
             lm_head: None,
             stamp: None,
+            image: DeviceImage::default(),
         }
     }
 

@@ -58,7 +58,7 @@ pub use mem_pool::LoraMemoryPool;
 pub use registry::{AdapterId, AdapterKey, AdapterInfo};
 pub use mem_pool::MAX_EXPERT_POOL_BYTES;
 
-use quiver_kernels::{Device, MoeRouting, Tensor};
+use quiver_kernels::{Device, Epilogue, MoeRouting, Tensor, Weight};
 
 /// A linear site of a Llama-family layer. q/k/v and gate/up are fused in the base model, so
 /// their LoRA deltas are fused multi-slice expands (3 and 2 slices).
@@ -204,6 +204,15 @@ pub trait LoraHook: Sync {
     /// `y[r, :] += Δ_site(x[r, :])` for every row `r < m` whose adapter targets this site.
     /// `x` is the linear's input `[m, in]`, `y` its fused base output `[m, out]`.
     fn linear(&self, dev: &dyn Device, layer: usize, site: LinearSite, x: &Tensor, m: usize, y: &mut Tensor);
+    /// The whole projection of `site`: `y = x·Wᵀ (+ bias)`, the delta of [`Self::linear`], then
+    /// `epilogue` — the model's one call per projection, so the device may fold the delta into
+    /// the projection (`Device::matmul_lora`). The default makes the three calls in turn.
+    #[allow(clippy::too_many_arguments)]
+    fn project(&self, dev: &dyn Device, layer: usize, site: LinearSite, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor) {
+        dev.matmul(x, m, w, bias, y);
+        self.linear(dev, layer, site, x, m, y);
+        epilogue.run(dev, y, m, w);
+    }
     /// `out[r, :] += Δ_embed(ids[r])` for rows whose adapter has `embed_tokens` LoRA.
     fn embedding(&self, dev: &dyn Device, ids: &[u32], out: &mut Tensor);
     /// LM head on pruned rows: `x` is `[rows.len(), hidden]` (final-normed hidden states of the
@@ -234,6 +243,9 @@ pub struct NoLora;
 
 impl LoraHook for NoLora {
     fn linear(&self, _: &dyn Device, _: usize, _: LinearSite, _: &Tensor, _: usize, _: &mut Tensor) {}
+    fn project(&self, dev: &dyn Device, _: usize, _: LinearSite, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor) {
+        dev.matmul_lora(x, m, w, bias, None, epilogue, y)
+    }
     fn embedding(&self, _: &dyn Device, _: &[u32], _: &mut Tensor) {}
     fn lm_head(&self, _: &dyn Device, _: &Tensor, _: &[u32], _: &mut Tensor) {}
     fn is_active(&self) -> bool {

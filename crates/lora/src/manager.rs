@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use quiver_kernels::{Device, DeviceKind, LoraX, MoeRouting, Tensor};
+use quiver_kernels::{Device, DeviceKind, Epilogue, LoraX, MoeRouting, Tensor, Weight};
 
 use crate::backend::{create_backend, LoraBackend, SiteRef, DEFAULT_BACKEND};
 use crate::batch::{LoraBatchInfo, RowGrouping, DEFAULT_CHUNK_SIZE};
@@ -143,6 +143,7 @@ impl LoraManager {
             self.check_can_pin()?;
         }
         adapter.check_compatible(self.pool.max_rank(), self.pool.modules())?;
+        self.pool.prepare_image(&adapter);
         let path = adapter.path.clone();
         let (key, _) = self.registry.insert(name, &path, adapter, false);
         if pinned {
@@ -168,6 +169,7 @@ impl LoraManager {
         let old = self.registry.resolve(name).ok_or_else(|| LoraError::UnknownAdapter(name.to_string()))?;
         let was_pinned = self.registry.versions.get(&old.version).is_some_and(|e| e.pinned);
         adapter.check_compatible(self.pool.max_rank(), self.pool.modules())?;
+        self.pool.prepare_image(&adapter);
         let path = adapter.path.clone();
         let (key, _) = self.registry.insert(name, &path, adapter, false);
         if let Some(s) = self.pool.slot_of(old) {
@@ -204,6 +206,7 @@ impl LoraManager {
     /// the file is not the one this version was loaded from. A no-op for a version that is
     /// gone or already in memory.
     pub fn restore_weights(&mut self, key: AdapterKey, adapter: LoraAdapter) -> Result<()> {
+        self.pool.prepare_image(&adapter);
         self.registry.restore(key, adapter)
     }
 
@@ -445,6 +448,21 @@ impl BatchHook<'_> {
 impl LoraHook for BatchHook<'_> {
     fn linear(&self, dev: &dyn Device, layer: usize, site: LinearSite, x: &Tensor, m: usize, y: &mut Tensor) {
         self.token_rows(dev, self.pool.site(layer, site), x, m, y);
+    }
+
+    fn project(&self, dev: &dyn Device, layer: usize, site: LinearSite, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor) {
+        let rows = &self.info.tokens;
+        let s = if self.info.is_active() && rows.adapter_rows > 0 { self.site_ref(self.pool.site(layer, site)) } else { None };
+        let Some(s) = s else { return dev.matmul_lora(x, m, w, bias, None, epilogue, y) };
+        assert_eq!(m, rows.rows(), "LoRA hook called with {m} rows but the batch was prepared for {}", rows.rows());
+        match self.backend.groups(rows) {
+            Some(g) => dev.matmul_lora(x, m, w, bias, Some(&s.call(g)), epilogue, y),
+            None => {
+                dev.matmul(x, m, w, bias, y);
+                self.backend.apply(dev, s, rows, LoraX::Dense(x), y);
+                epilogue.run(dev, y, m, w);
+            }
+        }
     }
 
     fn embedding(&self, dev: &dyn Device, ids: &[u32], out: &mut Tensor) {

@@ -334,67 +334,31 @@ impl LoraMemoryPool {
     }
 
     /// Copies `adapter` into `slot` (which must have been chosen by [`Self::choose_slot`]),
-    /// rewriting the whole slot so the zero-tail invariant holds.
+    /// rewriting the whole slot so the zero-tail invariant holds. On a device that makes LoRA
+    /// images (CUDA) the adapter's first activation converts it into its image and every
+    /// activation is then copies from that image, queued without the host waiting.
     pub fn load(&mut self, slot: usize, key: AdapterKey, adapter: &LoraAdapter) -> Result<()> {
         adapter.check_compatible(self.max_rank, &self.modules)?;
         self.clear_ranks(slot);
         let device = self.device.clone();
-        // Writes the slices `present` into slot `slot` of `site` and its (entry, slot) table row.
-        let fill = |site: &mut PoolSite, table: &mut LoraTable, entry: usize, slot: usize, present: [Option<&crate::adapter::ModuleWeights>; MAX_SLICES]| {
-            let s = table.slots;
-            let r_site = present.iter().flatten().map(|w| w.rank).max().unwrap_or(0);
-            let shape = site.buffers.shape;
-            device.lora_write_slot(&mut site.buffers, slot, &mut |a, b| {
-                for (j, w) in present.iter().enumerate() {
-                    let Some(w) = w else { continue };
-                    let rj = w.rank;
-                    let row0 = j * r_site;
-                    a[row0 * shape.in_dim..(row0 + rj) * shape.in_dim].copy_from_slice(&w.a);
-                    let (o0, ld) = (shape.offsets[j], shape.b_ld);
-                    for o in 0..(shape.offsets[j + 1] - o0) {
-                        for k in 0..rj {
-                            b[k * ld + o0 + o] = w.b[o * rj + k];
-                        }
-                    }
-                }
-            });
-            for (j, w) in present.iter().enumerate() {
-                table.scalings[(entry * s + slot) * MAX_SLICES + j] = w.map_or(0.0, |w| w.scaling);
+        let cell = adapter.image.clone();
+        let mut image = cell.0.lock().unwrap_or_else(|p| p.into_inner());
+        self.ensure_image(&mut image, adapter);
+        match image.as_ref() {
+            Some(img) => {
+                let mut at = 0;
+                self.for_each_site(slot, adapter, &mut |site, table, entry, s, present| {
+                    let shape = site.buffers.shape;
+                    device.lora_write_slot_image(&mut site.buffers, s, img, at);
+                    at += shape.a_slot_len() + shape.b_slot_len();
+                    set_table_row(table, entry, s, &present);
+                });
             }
-            table.ranks[entry * s + slot] = r_site as u32;
-        };
-        let dense = |site: &PoolSite, layer: usize| -> [Option<&crate::adapter::ModuleWeights>; MAX_SLICES] { std::array::from_fn(|j| site.modules[j].and_then(|m| adapter.module(layer, m))) };
-        let l = self.dims.num_layers;
-        let table = &mut self.table;
-        for layer in 0..l {
-            for site in LinearSite::ALL {
-                let e = layer * 4 + site.index();
-                if let Some(buf) = self.sites[e].as_mut() {
-                    let p = dense(buf, layer);
-                    fill(buf, table, e, slot, p);
-                }
-            }
-            for site in ExpertSite::ALL {
-                if let Some(buf) = self.shared[layer][site.index()].as_mut() {
-                    let p = dense(buf, layer);
-                    fill(buf, table, shared_entry(l, layer, site), slot, p);
-                }
-                let ne = self.num_experts;
-                if let Some(buf) = self.experts[layer][site.index()].as_mut() {
-                    for x in 0..ne {
-                        let p = std::array::from_fn(|j| buf.modules[j].and_then(|m| adapter.expert(layer, x, m)));
-                        fill(buf, &mut self.expert_table, 2 * layer + site.index(), slot * ne + x, p);
-                    }
-                }
-            }
-        }
-        if let Some(buf) = self.embed.as_mut() {
-            let p = dense(buf, 0);
-            fill(buf, table, embed_entry(l), slot, p);
-        }
-        if let Some(buf) = self.lm_head.as_mut() {
-            let p = dense(buf, 0);
-            fill(buf, table, lm_head_entry(l), slot, p);
+            None => self.for_each_site(slot, adapter, &mut |site, table, entry, s, present| {
+                let shape = site.buffers.shape;
+                device.lora_write_slot(&mut site.buffers, s, &mut |a, b| fill_slot(shape, &present, a, b));
+                set_table_row(table, entry, s, &present);
+            }),
         }
         self.device.lora_sync_table(&mut self.table);
         self.device.lora_sync_table(&mut self.expert_table);
@@ -402,6 +366,105 @@ impl LoraMemoryPool {
         self.pinned[slot] = false;
         self.tracker.inserted(slot);
         Ok(())
+    }
+
+    /// Makes `adapter`'s image for this pool now (on a device that makes them), so its first
+    /// activation is copies too: the manager calls it when the adapter's weights enter host
+    /// memory, off the path of any step.
+    pub fn prepare_image(&mut self, adapter: &LoraAdapter) {
+        let cell = adapter.image.clone();
+        let mut image = cell.0.lock().unwrap_or_else(|p| p.into_inner());
+        self.ensure_image(&mut image, adapter);
+    }
+
+    /// Fills `image` with `adapter` for this pool's layout unless it already holds that.
+    fn ensure_image(&mut self, image: &mut Option<quiver_kernels::LoraImage>, adapter: &LoraAdapter) {
+        let (elems, layout) = self.image_layout();
+        if image.as_ref().is_some_and(|i| i.layout == layout && i.filled) {
+            return;
+        }
+        let device = self.device.clone();
+        *image = device.lora_image(elems).map(|mut i| {
+            i.layout = layout;
+            i
+        });
+        if let Some(img) = image.as_mut() {
+            let mut at = 0;
+            self.for_each_site(0, adapter, &mut |site, _, _, _, present| {
+                let shape = site.buffers.shape;
+                device.lora_image_fill(img, at, shape, &mut |a, b| fill_slot(shape, &present, a, b));
+                at += shape.a_slot_len() + shape.b_slot_len();
+            });
+            img.filled = true;
+        }
+    }
+
+    /// Calls `f(site, table, entry, slot index, slices)` for every site of the pool, in one
+    /// fixed order (the order of an adapter's image), with the adapter's modules for it: the
+    /// dense sites and the shared expert's of each layer, each expert's slot of the expert
+    /// sites, then the embedding and the LM head.
+    fn for_each_site<'a>(&mut self, slot: usize, adapter: &'a LoraAdapter, f: &mut dyn FnMut(&mut PoolSite, &mut LoraTable, usize, usize, Present<'a>)) {
+        let dense = |site: &PoolSite, layer: usize| -> Present<'a> { std::array::from_fn(|j| site.modules[j].and_then(|m| adapter.module(layer, m))) };
+        let l = self.dims.num_layers;
+        let ne = self.num_experts;
+        for layer in 0..l {
+            for site in LinearSite::ALL {
+                let e = layer * 4 + site.index();
+                if let Some(buf) = self.sites[e].as_mut() {
+                    let p = dense(buf, layer);
+                    f(buf, &mut self.table, e, slot, p);
+                }
+            }
+            for site in ExpertSite::ALL {
+                if let Some(buf) = self.shared[layer][site.index()].as_mut() {
+                    let p = dense(buf, layer);
+                    f(buf, &mut self.table, shared_entry(l, layer, site), slot, p);
+                }
+                if let Some(buf) = self.experts[layer][site.index()].as_mut() {
+                    for x in 0..ne {
+                        let p = std::array::from_fn(|j| buf.modules[j].and_then(|m| adapter.expert(layer, x, m)));
+                        f(buf, &mut self.expert_table, 2 * layer + site.index(), slot * ne + x, p);
+                    }
+                }
+            }
+        }
+        if let Some(buf) = self.embed.as_mut() {
+            let p = dense(buf, 0);
+            f(buf, &mut self.table, embed_entry(l), slot, p);
+        }
+        if let Some(buf) = self.lm_head.as_mut() {
+            let p = dense(buf, 0);
+            f(buf, &mut self.table, lm_head_entry(l), slot, p);
+        }
+    }
+
+    /// Elements of one adapter's image (every site's slot, in [`Self::for_each_site`]'s order)
+    /// and a key for this device and these site shapes.
+    fn image_layout(&self) -> (usize, u64) {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (Arc::as_ptr(&self.device) as *const () as usize).hash(&mut h);
+        let mut elems = 0;
+        let l = self.dims.num_layers;
+        let mut add = |site: &Option<PoolSite>, times: usize| {
+            if let Some(s) = site {
+                let sh = s.buffers.shape;
+                (sh.in_dim, sh.n_slices, sh.offsets, sh.b_ld, sh.max_rank, times).hash(&mut h);
+                elems += times * (sh.a_slot_len() + sh.b_slot_len());
+            }
+        };
+        for layer in 0..l {
+            for site in LinearSite::ALL {
+                add(&self.sites[layer * 4 + site.index()], 1);
+            }
+            for site in ExpertSite::ALL {
+                add(&self.shared[layer][site.index()], 1);
+                add(&self.experts[layer][site.index()], self.num_experts);
+            }
+        }
+        add(&self.embed, 1);
+        add(&self.lm_head, 1);
+        (elems, h.finish().max(1))
     }
 }
 
@@ -426,4 +489,38 @@ mod tests {
             assert_eq!(sets.len(), 16, "out {out}");
         }
     }
+}
+
+type Present<'a> = [Option<&'a crate::adapter::ModuleWeights>; MAX_SLICES];
+
+/// The site rank of a slot: the largest rank among its slices (each slice's A rows start at
+/// `j · rank`).
+fn site_rank(present: &Present<'_>) -> usize {
+    present.iter().flatten().map(|w| w.rank).max().unwrap_or(0)
+}
+
+/// Writes the slices `present` into a slot's zeroed f32 A `(n·R, in)` and Bᵀ `(R, b_ld)`.
+fn fill_slot(shape: LoraSiteShape, present: &Present<'_>, a: &mut [f32], b: &mut [f32]) {
+    let r_site = site_rank(present);
+    for (j, w) in present.iter().enumerate() {
+        let Some(w) = w else { continue };
+        let rj = w.rank;
+        let row0 = j * r_site;
+        a[row0 * shape.in_dim..(row0 + rj) * shape.in_dim].copy_from_slice(&w.a);
+        let (o0, ld) = (shape.offsets[j], shape.b_ld);
+        for o in 0..(shape.offsets[j + 1] - o0) {
+            for k in 0..rj {
+                b[k * ld + o0 + o] = w.b[o * rj + k];
+            }
+        }
+    }
+}
+
+/// The (entry, slot) row of the rank / scaling table for the slices `present`.
+fn set_table_row(table: &mut LoraTable, entry: usize, slot: usize, present: &Present<'_>) {
+    let s = table.slots;
+    for (j, w) in present.iter().enumerate() {
+        table.scalings[(entry * s + slot) * MAX_SLICES + j] = w.map_or(0.0, |w| w.scaling);
+    }
+    table.ranks[entry * s + slot] = site_rank(present) as u32;
 }

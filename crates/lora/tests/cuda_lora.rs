@@ -28,6 +28,12 @@ fn cuda_slot_reuse_by_smaller_rank_leaks_nothing() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn cuda_one_row_projections_fold_the_delta_like_the_cpu() {
+    device_lora::one_row_projections_match_cpu(cuda());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn cuda_graph_replay_follows_the_adapter_mix() {
     device_lora::shape_keyed_steps_follow_the_adapter_mix(cuda());
 }

@@ -40,3 +40,10 @@ fn opencl_shape_keyed_steps_follow_the_adapter_mix() {
         device_lora::shape_keyed_steps_follow_the_adapter_mix(dev);
     }
 }
+
+#[test]
+fn opencl_one_row_projections_match_cpu() {
+    for (dev, _) in devices() {
+        device_lora::one_row_projections_match_cpu(dev);
+    }
+}

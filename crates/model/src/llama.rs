@@ -12,6 +12,7 @@ use crate::config::ModelConfig;
 use crate::moe::{self, Mlp, MoeWorkspace};
 use quiver_kernels::{AttnBatch, Device, KvLayout, KvStorage, QkNorm, RopeTable, Tensor, Weight};
 use quiver_lora::{LinearSite, LoraHook, LoraModelDims};
+use quiver_kernels::Epilogue;
 use std::sync::Arc;
 
 pub struct LayerWeights {
@@ -223,7 +224,7 @@ impl LlamaModel {
         let m = batch.tokens.len();
         let nl = batch.logits_rows.len();
         self.ensure_workspace(ws, m, nl, head_kind);
-        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let h = c.hidden_size;
         let lora_on = lora.is_active();
         let attn_batch = AttnBatch {
             seq_starts: &batch.seq_starts,
@@ -251,24 +252,25 @@ impl LlamaModel {
                 } else {
                     d.add_rms_norm(&mut ws.x, &ws.delta, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
                 }
-                // A LoRA delta lands between a projection and what follows it; without one the
-                // device may fuse the two.
-                if lora_on || l.qk_norm.is_some() {
-                    d.matmul(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), &mut ws.qkv);
-                    if lora_on {
-                        lora.linear(d, li, LinearSite::Qkv, &ws.xn, m, &mut ws.qkv);
-                    }
-                    if let Some(norm) = &l.qk_norm {
-                        d.qk_norm(&mut ws.qkv, m, c.num_heads, c.num_kv_heads, c.head_dim, norm);
-                    }
-                    d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
+                // Each projection goes through the LoRA hook when the batch has adapters (the
+                // delta lands between the projection and its epilogue; the device may fold it
+                // into the projection), straight to the device otherwise.
+                let rope = Epilogue::RopeQk { positions: &batch.positions, n_heads: c.num_heads, n_kv_heads: c.num_kv_heads, table: &self.rope };
+                let qkv_epilogue = if l.qk_norm.is_some() { Epilogue::Plain } else { rope };
+                if lora_on {
+                    lora.project(d, li, LinearSite::Qkv, &ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), qkv_epilogue, &mut ws.qkv);
                 } else {
-                    d.matmul_rope_qk(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), &mut ws.qkv, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
+                    d.matmul_lora(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), None, qkv_epilogue, &mut ws.qkv);
+                }
+                if let Some(norm) = &l.qk_norm {
+                    d.qk_norm(&mut ws.qkv, m, c.num_heads, c.num_kv_heads, c.head_dim, norm);
+                    d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
                 }
                 d.paged_attention(&ws.qkv, &attn_batch, kv, li, c.num_heads, scale, &mut ws.attn);
-                d.matmul(&ws.attn, m, &l.o, None, &mut ws.delta);
                 if lora_on {
-                    lora.linear(d, li, LinearSite::O, &ws.attn, m, &mut ws.delta);
+                    lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, None, Epilogue::Plain, &mut ws.delta);
+                } else {
+                    d.matmul(&ws.attn, m, &l.o, None, &mut ws.delta);
                 }
                 d.add_rms_norm(&mut ws.x, &ws.delta, &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
                 let (gate_up, down) = match &l.mlp {
@@ -282,15 +284,11 @@ impl LlamaModel {
                     }
                 };
                 if lora_on {
-                    d.matmul(&ws.xn, m, gate_up, None, &mut ws.gate_up);
-                    lora.linear(d, li, LinearSite::GateUp, &ws.xn, m, &mut ws.gate_up);
-                    d.silu_mul(&ws.gate_up, m, inter, &mut ws.act);
+                    lora.project(d, li, LinearSite::GateUp, &ws.xn, m, gate_up, None, Epilogue::SiluMul { out: &mut ws.act }, &mut ws.gate_up);
+                    lora.project(d, li, LinearSite::Down, &ws.act, m, down, None, Epilogue::Plain, &mut ws.delta);
                 } else {
                     d.matmul_silu_mul(&ws.xn, m, gate_up, &mut ws.gate_up, &mut ws.act);
-                }
-                d.matmul(&ws.act, m, down, None, &mut ws.delta);
-                if lora_on {
-                    lora.linear(d, li, LinearSite::Down, &ws.act, m, &mut ws.delta);
+                    d.matmul(&ws.act, m, down, None, &mut ws.delta);
                 }
             }
             d.add_inplace(&mut ws.x, &ws.delta, m * h);

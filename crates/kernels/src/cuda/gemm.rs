@@ -1,6 +1,7 @@
 //! Weight GEMMs: our single-row GEMV (W streamed through cp.async, epilogues fused) and cuBLAS
 //! for more rows, with the bf16 input shadow that saves a conversion pass.
 
+use super::lora::LoraLaunch;
 use super::*;
 
 /// Which cuBLAS bf16 GEMMs take their f32 input as a bf16 hi + lo pair (two GEMMs, the second
@@ -20,6 +21,10 @@ pub(super) enum SplitGemm {
 /// size the second read hits L2).
 pub(super) const SPLIT_MAX_WEIGHT_BYTES: usize = 16 << 20;
 
+/// Largest site rank whose delta the single-row GEMV adds itself (a lane per rank step, two
+/// passes of the warp at 64).
+pub(super) const GEMV_LORA_MAX_RANK: usize = 64;
+
 /// What a single-row GEMV does with its output (`GV_PLAIN`, `GV_SILU`, `GV_ROPE` in kernels.cu).
 pub(super) enum Gemv1Epilogue<'a> {
     Plain,
@@ -33,20 +38,75 @@ impl CudaDevice {
     /// A single-row GEMV by a bf16 weight with `k % 8 == 0`, its epilogue fused (kernels.cu:
     /// `gemv1_body`).
     pub(super) fn gemv1(&self, w: &Weight, x: &Tensor, bias: Option<&Tensor>, y: &mut Tensor, epilogue: Gemv1Epilogue<'_>) {
+        self.gemv1_with(w, x, bias, y, epilogue, None)
+    }
+
+    /// [`Self::gemv1`], adding the delta of the LoRA shrink `lora` (launched just before) to
+    /// each output before the epilogue (kernels.cu: `GemvLora`).
+    fn gemv1_with(&self, w: &Weight, x: &Tensor, bias: Option<&Tensor>, y: &mut Tensor, epilogue: Gemv1Epilogue<'_>, lora: Option<&LoraLaunch>) {
         let WeightData::Cuda(wb, DType::Bf16) = &w.data else { panic!("gemv1 takes a bf16 device weight") };
         let (n, k) = (w.rows, w.cols);
         debug_assert!(k.is_multiple_of(8));
+        let pick = |plain, with_lora| if lora.is_some() { with_lora } else { plain };
         let (f, warps, extra, head_dim, max_pos, pos, cos, sin) = match epilogue {
-            Gemv1Epilogue::Plain => (self.k.gemv1_bf16, n.div_ceil(2), 0, 0, 0, 0, 0, 0),
-            Gemv1Epilogue::SiluMul => (self.k.gemv1_silu_bf16, n / 2, n / 2, 0, 0, 0, 0, 0),
+            Gemv1Epilogue::Plain => (pick(self.k.gemv1_bf16, self.k.gemv1_lora_bf16), n.div_ceil(2), 0, 0, 0, 0, 0, 0),
+            Gemv1Epilogue::SiluMul => (pick(self.k.gemv1_silu_bf16, self.k.gemv1_lora_silu_bf16), n / 2, n / 2, 0, 0, 0, 0, 0),
             Gemv1Epilogue::Rope { positions, heads_qk, table } => {
                 let pos = self.meta_ptr(&mut self.state.lock().unwrap(), &positions[..1]);
-                (self.k.gemv1_rope_bf16, n / 2, heads_qk, table.head_dim, table.max_pos, pos, buf(&table.cos), buf(&table.sin))
+                (pick(self.k.gemv1_rope_bf16, self.k.gemv1_lora_rope_bf16), n / 2, heads_qk, table.head_dim, table.max_pos, pos, buf(&table.cos), buf(&table.sin))
             }
         };
         let blocks = warps.div_ceil(GEMV1_WARPS_PER_BLOCK);
-        launch!(self, f, (blocks as u32, 1, 1), (32 * GEMV1_WARPS_PER_BLOCK as u32, 1, 1);
-            buf(x), wb.ptr, bias.map(buf).unwrap_or(0), buf(y), n as i32, k as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin);
+        let (grid, block) = ((blocks as u32, 1, 1), (32 * GEMV1_WARPS_PER_BLOCK as u32, 1, 1));
+        let (xp, bp, yp) = (buf(x), bias.map(buf).unwrap_or(0), buf(y));
+        match lora {
+            None => launch!(self, f, grid, block; xp, wb.ptr, bp, yp, n as i32, k as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin),
+            Some(l) => {
+                let sh = l.shape;
+                launch!(self, f, grid, block; xp, wb.ptr, bp, yp, n as i32, k as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin,
+                    l.t, l.b, l.gp, l.ranks, l.scal, l.cap as i32, sh.n_slices as i32, sh.max_rank as i32, sh.b_ld as i32, l.off(1) as i32, l.off(2) as i32)
+            }
+        }
+    }
+
+    /// `Device::matmul_lora`: at one row (a bf16 weight the single-row GEMV takes, a delta of
+    /// one row and at most [`GEMV_LORA_MAX_RANK`]) the shrink, then the GEMV adding the delta
+    /// with its epilogue still fused: two launches for the site instead of four (GEMV, shrink,
+    /// expand, epilogue). Otherwise the ops one after another.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmul_lora_impl(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, lora: Option<&LoraCall<'_>>, epilogue: Epilogue<'_>, y: &mut Tensor) {
+        let Some(call) = lora else {
+            return match epilogue {
+                Epilogue::Plain => self.matmul_impl(x, m, w, bias, y),
+                Epilogue::RopeQk { positions, n_heads, n_kv_heads, table } => self.matmul_rope_qk_impl(x, m, w, bias, y, positions, n_heads, n_kv_heads, table),
+                Epilogue::SiluMul { out } => self.matmul_silu_mul_impl(x, m, w, y, out),
+            };
+        };
+        let sh = call.shape();
+        let fold = self.gemv1_fits(m, w)
+            && call.groups.rows == 1
+            && sh.out_dim() == w.rows
+            && sh.max_rank <= GEMV_LORA_MAX_RANK
+            && !matches!(epilogue, Epilogue::RopeQk { table, .. } if table.rotary_dim != table.head_dim);
+        if !fold {
+            // The shrink beside the GEMM (both read only x), the expand after both.
+            let shrink = self.lora_shrink_launch(call, LoraX::Dense(x), true);
+            self.matmul_impl(x, m, w, bias, y);
+            if let Some(l) = shrink {
+                self.lora_expand_launch(&l, y);
+            }
+            return epilogue.run(self, y, m, w);
+        }
+        self.bind();
+        let shrink = self.lora_shrink_launch(call, LoraX::Dense(x), false);
+        match epilogue {
+            Epilogue::Plain => self.gemv1_with(w, x, bias, y, Gemv1Epilogue::Plain, shrink.as_ref()),
+            Epilogue::RopeQk { positions, n_heads, n_kv_heads, table } => {
+                self.gemv1_with(w, x, bias, y, Gemv1Epilogue::Rope { positions, heads_qk: n_heads + n_kv_heads, table }, shrink.as_ref())
+            }
+            Epilogue::SiluMul { out } => self.gemv1_with(w, x, None, out, Gemv1Epilogue::SiluMul, shrink.as_ref()),
+        }
+        self.mark("matmul gemv + lora");
     }
 
     /// Whether a fused single-row GEMV applies: one row, a bf16 weight, `k % 8 == 0`.

@@ -433,9 +433,23 @@ __device__ __forceinline__ void gemv_rows(const GemvEpilogue& e, int p, int n, i
     r0 = min(r0, n - 1), r1 = min(r1, n - 1); // a dead warp still holds valid addresses
 }
 
-template <int MODE>
+// A LoRA delta folded into the single-row GEMV (`Device::matmul_lora` at one row): the shrink
+// ran just before (t = x·Aᵀ of the row, region 0 of its scratch, through the packed groups G of
+// lora.cu), and each warp adds s_j · Σ_k t[j·r + k] · Bᵀ[slot][k][col] to its two columns
+// before the epilogue, so the site needs no expand kernel and RoPE / SiLU·mul stay fused.
+// Which slot (if any) and its rank are data, read here: a recorded step replays for any adapter.
+struct GemvLora {
+    const float* t;
+    const bf16_t* B;   // Bᵀ (S, R, b_ld)
+    const u32* G;      // packed groups for C rows
+    const u32* ranks;  // [slot]
+    const float* scal; // [slot][3]
+    int C, n_slices, R, b_ld, off1, off2;
+};
+
+template <int MODE, bool LORA>
 __device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias,
-                                           float* __restrict__ y, int n, int k, const GemvEpilogue& e) {
+                                           float* __restrict__ y, int n, int k, const GemvEpilogue& e, const GemvLora& L) {
     __shared__ uint4 ring[GV_WARPS][GV_STAGES][GV_ROWS][GV_U][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int p = blockIdx.x * GV_WARPS + warp;
@@ -486,6 +500,24 @@ __device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf
     float v[GV_ROWS];
 #pragma unroll
     for (int r = 0; r < GV_ROWS; r++) v[r] = warp_sum(acc[r]) + (bias ? bias[rows[r]] : 0.f);
+    if (LORA && L.G[0] > 0) {
+        const int p0 = L.G[1 + L.C], slot = L.G[1 + 3 * L.C];
+        const int rk = L.ranks[slot];
+        const float* t = L.t + (size_t)p0 * L.n_slices * L.R;
+        const bf16_t* b = L.B + (size_t)slot * L.R * L.b_ld;
+        float d[GV_ROWS];
+#pragma unroll
+        for (int r = 0; r < GV_ROWS; r++) d[r] = 0.f;
+        for (int kk = lane; kk < rk; kk += 32) {
+#pragma unroll
+            for (int r = 0; r < GV_ROWS; r++) {
+                const int o = rows[r], j = (o >= L.off1) + (o >= L.off2);
+                d[r] += L.scal[slot * 3 + j] * t[j * rk + kk] * bf2f(b[(size_t)kk * L.b_ld + o]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < GV_ROWS; r++) v[r] += warp_sum(d[r]);
+    }
     if (lane == 0) {
         if (MODE == GV_SILU) {
             y[p] = silu_times(v[0], v[1]);
@@ -508,11 +540,27 @@ __device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf
              int inter_or_heads_qk, int head_dim, int max_pos,                                                                               \
              const u32* __restrict__ pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t) {                                \
         const GemvEpilogue e = {inter_or_heads_qk, inter_or_heads_qk, head_dim, max_pos, pos, cos_t, sin_t};                                 \
-        gemv1_body<MODE>(x, w, bias, y, n, k, e);                                                                                             \
+        const GemvLora L = {};                                                                                                                \
+        gemv1_body<MODE, false>(x, w, bias, y, n, k, e, L);                                                                                   \
     }
 GEMV1_KERNEL(gemv1_bf16, GV_PLAIN)
 GEMV1_KERNEL(gemv1_silu_bf16, GV_SILU)
 GEMV1_KERNEL(gemv1_rope_bf16, GV_ROPE)
+
+#define GEMV1_LORA_KERNEL(NAME, MODE)                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                                                              \
+        NAME(const float* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias, float* __restrict__ y, int n, int k, \
+             int inter_or_heads_qk, int head_dim, int max_pos,                                                                               \
+             const u32* __restrict__ pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t,                                  \
+             const float* lt, const bf16_t* lB, const u32* lG, const u32* lranks, const float* lscal,                                        \
+             int lC, int ln_slices, int lR, int lb_ld, int loff1, int loff2) {                                                                \
+        const GemvEpilogue e = {inter_or_heads_qk, inter_or_heads_qk, head_dim, max_pos, pos, cos_t, sin_t};                                 \
+        const GemvLora L = {lt, lB, lG, lranks, lscal, lC, ln_slices, lR, lb_ld, loff1, loff2};                                               \
+        gemv1_body<MODE, true>(x, w, bias, y, n, k, e, L);                                                                                    \
+    }
+GEMV1_LORA_KERNEL(gemv1_lora_bf16, GV_PLAIN)
+GEMV1_LORA_KERNEL(gemv1_lora_silu_bf16, GV_SILU)
+GEMV1_LORA_KERNEL(gemv1_lora_rope_bf16, GV_ROPE)
 
 // ---- prefill attention on tensor cores ----------------------------------------------------------
 // Flash-attention style: a block takes FA_BM consecutive query rows of one sequence (16 per warp)

@@ -19,7 +19,8 @@
 
 #define LORA_TILE 64   // most rows per tile (lora.rs: TILE_ROWS)
 #define LORA_SUB 16    // expand: rows whose coefficients sit in shared memory at a time
-#define LORA_KC 8      // expand: rank steps of Bᵀ held in registers at a time
+#define LORA_KC 16     // expand: rank steps of Bᵀ held in registers at a time
+#define LORA_SHRINK_BLOCKS 264 // small shrink: blocks a step aims for (2 of 8 warps per SM)
 
 __device__ __forceinline__ void bf16x8_to_f32(uint4 v, float* f) {
     const u32 w[4] = {v.x, v.y, v.z, v.w};
@@ -63,41 +64,64 @@ __device__ __forceinline__ void lora_fixup(float* t, u32* counter, int splits, s
 // one A row's 16-byte vectors (8 inputs a lane), and the k-splits spread even one row's A over
 // ~100 blocks, so the adapter streams from every SM instead of a few. Partial sums go through
 // lora_fixup (counters[tile · gridDim.y + blockIdx.y]) when there are several splits.
-extern "C" __global__ void __launch_bounds__(256) lora_shrink(const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
+#define LSH_ROWS 4 // x rows a warp dots with its A vectors at a time
+#define LSH_KU 4   // 256-input sweeps whose A vectors a lane loads at once
+__device__ __forceinline__ void lora_shrink_tile(int tile, const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
                                                               const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int klen,
                                                               float* __restrict__ t, u32* __restrict__ counters) {
-    pdl_entry();
-    const int tile = blockIdx.x;
-    if (tile >= (int)G[0]) return;
     const u32* perm = G + 1;
     const int p0 = G[1 + C + tile], n = G[1 + 2 * C + tile], slot = G[1 + 3 * C + tile];
     const int nr = n_slices * ranks[slot], W = n_slices * R;
     const int c0 = blockIdx.y * 8;
     if (n == 0 || c0 >= nr) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int c = c0 + warp, splits = gridDim.z;
+    // The split adapts to the step's tiles (G[0], the same for every block, so a recorded step
+    // adapts when replayed): just enough splits for ~LORA_SHRINK_BLOCKS blocks, each reading
+    // whole 256-input sweeps; splits past that exit. One adapter's row keeps all 16 splits (its
+    // A streams from ~100 SMs); 16 adapters' rows take 3, so a warp reads 6 vectors a lane
+    // instead of one and the fix-up sums 3 partials, not 16.
+    int splits = gridDim.z;
+    if (splits > 1) {
+        const int groups = (int)G[0] * gridDim.y;
+        splits = min(splits, max(1, (LORA_SHRINK_BLOCKS + groups - 1) / groups));
+        klen = ((in_dim + splits - 1) / splits + 255) / 256 * 256;
+        splits = (in_dim + klen - 1) / klen;
+        if ((int)blockIdx.z >= splits) return;
+    }
+    const int c = c0 + warp;
     const int k0 = blockIdx.z * klen, k1 = min(in_dim, k0 + klen);
     float* part = splits == 1 ? t : t + (size_t)(1 + blockIdx.z) * C * W;
     if (c < nr) {
         const bf16_t* a = A + ((size_t)slot * W + c) * in_dim;
-        for (int rs = 0; rs < n; rs += 16) {
-            const int nx = min(16, n - rs);
-            const float* xr[16];
+        for (int rs = 0; rs < n; rs += LSH_ROWS) {
+            const int nx = min(LSH_ROWS, n - rs);
+            const float* xr[LSH_ROWS];
 #pragma unroll
-            for (int i = 0; i < 16; ++i) xr[i] = x + (size_t)perm[p0 + rs + min(i, nx - 1)] * in_dim;
-            float acc[16];
+            for (int i = 0; i < LSH_ROWS; ++i) xr[i] = x + (size_t)perm[p0 + rs + min(i, nx - 1)] * in_dim;
+            float acc[LSH_ROWS];
 #pragma unroll
-            for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+            for (int i = 0; i < LSH_ROWS; ++i) acc[i] = 0.f;
             if ((in_dim & 7) == 0) {
-                for (int k = k0 + lane * 8; k < k1; k += 256) {
-                    float af[8];
-                    bf16x8_to_f32(*reinterpret_cast<const uint4*>(a + k), af);
+                // LSH_KU sweeps at a time, their A vectors loaded together before any is used,
+                // so a warp's merged splits cost one memory latency per LSH_KU sweeps, not one
+                // per sweep.
+                for (int kb = k0 + lane * 8; kb < k1; kb += 256 * LSH_KU) {
+                    uint4 av[LSH_KU];
 #pragma unroll
-                    for (int i = 0; i < 16; ++i) {
-                        if (i < nx) {
-                            const float4 u = *reinterpret_cast<const float4*>(xr[i] + k);
-                            const float4 v = *reinterpret_cast<const float4*>(xr[i] + k + 4);
-                            acc[i] += dot8(af, u, v);
+                    for (int u = 0; u < LSH_KU; ++u) av[u] = kb + u * 256 < k1 ? *reinterpret_cast<const uint4*>(a + kb + u * 256) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+                    for (int u = 0; u < LSH_KU; ++u) {
+                        const int k = kb + u * 256;
+                        if (k >= k1) break;
+                        float af[8];
+                        bf16x8_to_f32(av[u], af);
+#pragma unroll
+                        for (int i = 0; i < LSH_ROWS; ++i) {
+                            if (i < nx) {
+                                const float4 xu = *reinterpret_cast<const float4*>(xr[i] + k);
+                                const float4 xv = *reinterpret_cast<const float4*>(xr[i] + k + 4);
+                                acc[i] += dot8(af, xu, xv);
+                            }
                         }
                     }
                 }
@@ -105,12 +129,12 @@ extern "C" __global__ void __launch_bounds__(256) lora_shrink(const float* __res
                 for (int k = k0 + lane; k < k1; k += 32) {
                     const float av = bf2f(a[k]);
 #pragma unroll
-                    for (int i = 0; i < 16; ++i)
+                    for (int i = 0; i < LSH_ROWS; ++i)
                         if (i < nx) acc[i] += av * xr[i][k];
                 }
             }
 #pragma unroll
-            for (int i = 0; i < 16; ++i) {
+            for (int i = 0; i < LSH_ROWS; ++i) {
                 if (i < nx) {
                     const float v = warp_sum(acc[i]);
                     if (lane == 0) part[(size_t)(p0 + rs + i) * W + c] = v;
@@ -121,6 +145,15 @@ extern "C" __global__ void __launch_bounds__(256) lora_shrink(const float* __res
     if (splits > 1) lora_fixup(t, counters + tile * gridDim.y + blockIdx.y, splits, (size_t)C * W, p0, n, c0, min(c0 + 8, nr), W);
 }
 
+extern "C" __global__ void __launch_bounds__(256, 2) lora_shrink(const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
+                                                              const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int klen,
+                                                              float* __restrict__ t, u32* __restrict__ counters) {
+    pdl_entry();
+    for (int tile = blockIdx.x; tile < (int)G[0]; tile += gridDim.x) {
+        lora_shrink_tile(tile, x, A, G, C, ranks, n_slices, R, in_dim, klen, t, counters);
+    }
+}
+
 // Tensor-core shrink (steps of 64 rows or more; in % 64 == 0): the tile's ≤ 64 rows × 32 A rows
 // per block on mma.sync m16n8k16 (x rounded to bf16 as it is staged, A bf16, f32 accumulators),
 // the inputs [z·klen, (z+1)·klen) of split z = blockIdx.z in stages of 64, so each x row is read
@@ -129,14 +162,11 @@ extern "C" __global__ void __launch_bounds__(256) lora_shrink(const float* __res
 #define LSM_BN 32
 #define LSM_KC 64
 #define LSM_LD (LSM_KC + 8) // bf16 row stride: 16 bytes of padding keep ldmatrix conflict-free
-extern "C" __global__ void __launch_bounds__(128) lora_shrink_mma(const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
+__device__ __forceinline__ void lora_shrink_mma_tile(int tile, const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
                                                                   const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int klen,
                                                                   float* __restrict__ t, u32* __restrict__ counters) {
     __shared__ __align__(16) bf16_t xs[LORA_TILE * LSM_LD];
     __shared__ __align__(16) bf16_t as[LSM_BN * LSM_LD];
-    pdl_entry();
-    const int tile = blockIdx.x;
-    if (tile >= (int)G[0]) return;
     const u32* perm = G + 1;
     const int p0 = G[1 + C + tile], n = G[1 + 2 * C + tile], slot = G[1 + 3 * C + tile];
     const int nr = n_slices * ranks[slot], W = n_slices * R;
@@ -145,6 +175,49 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_mma(const float* _
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, splits = gridDim.z;
     const int k0 = blockIdx.z * klen, k1 = min(in_dim, k0 + klen);
     const bf16_t* a0 = A + ((size_t)slot * W + c0) * in_dim;
+    float* part = (splits == 1 ? t : t + (size_t)(1 + blockIdx.z) * C * W) + (size_t)p0 * W;
+    if (n <= 4) {
+        // A tile of a few rows (decode rows of many adapters): staging 64 rows for the tensor
+        // cores would wait on shared memory for one real row. Instead a warp dots its 8 A rows
+        // with the ≤ 4 x rows straight from global memory: 8 independent 16-byte A loads a lane
+        // in flight, A still read once.
+        const int cw = c0 + warp * 8;
+        if (cw < nr) {
+            float acc[8][4];
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+            for (int k = k0 + lane * 8; k < k1; k += 256) {
+                float4 xu[4], xv[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float* xr = x + (size_t)perm[p0 + min(i, n - 1)] * in_dim + k;
+                    xu[i] = *reinterpret_cast<const float4*>(xr);
+                    xv[i] = *reinterpret_cast<const float4*>(xr + 4);
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (cw + j < nr) {
+                        float af[8];
+                        bf16x8_to_f32(*reinterpret_cast<const uint4*>(a0 + (size_t)(warp * 8 + j) * in_dim + k), af);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) acc[j][i] += dot8(af, xu[i], xv[i]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float v = warp_sum(acc[j][i]);
+                    if (lane == 0 && i < n && cw + j < nr) part[(size_t)i * W + cw + j] = v;
+                }
+            }
+        }
+        if (splits > 1) lora_fixup(t, counters + tile * gridDim.y + blockIdx.y, splits, (size_t)C * W, p0, n, c0, min(c0 + LSM_BN, nr), W);
+        return;
+    }
     float acc[4][4];
 #pragma unroll
     for (int q = 0; q < 4; ++q)
@@ -183,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_mma(const float* _
         __syncthreads();
     }
     const int g = lane >> 2, q2 = (lane & 3) * 2;
-    float* out = (splits == 1 ? t : t + (size_t)(1 + blockIdx.z) * C * W) + (size_t)p0 * W;
+    float* out = part;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
         const int col = c0 + nt * 8 + q2;
@@ -199,13 +272,19 @@ extern "C" __global__ void __launch_bounds__(128) lora_shrink_mma(const float* _
     if (splits > 1) lora_fixup(t, counters + tile * gridDim.y + blockIdx.y, splits, (size_t)C * W, p0, n, c0, min(c0 + LSM_BN, nr), W);
 }
 
+extern "C" __global__ void __launch_bounds__(128) lora_shrink_mma(const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
+                                                                  const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int klen,
+                                                                  float* __restrict__ t, u32* __restrict__ counters) {
+    pdl_entry();
+    for (int tile = blockIdx.x; tile < (int)G[0]; tile += gridDim.x) {
+        lora_shrink_mma_tile(tile, x, A, G, C, ranks, n_slices, R, in_dim, klen, t, counters);
+    }
+}
+
 // The embedding's shrink: t[p][k] = A[slot][k][id] with id = ids[perm[p]] (A is (S, R, vocab),
 // PEFT's lora_embedding_A); ids outside the vocabulary get no delta. grid (tiles), 256 threads.
-extern "C" __global__ void lora_shrink_ids(const u32* __restrict__ ids, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
+__device__ __forceinline__ void lora_shrink_ids_tile(int tile, const u32* __restrict__ ids, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
                                            const u32* __restrict__ ranks, int R, int vocab, float* __restrict__ t) {
-    pdl_entry();
-    const int tile = blockIdx.x;
-    if (tile >= (int)G[0]) return;
     const u32* perm = G + 1;
     const int p0 = G[1 + C + tile], n = G[1 + 2 * C + tile], slot = G[1 + 3 * C + tile];
     const int r = ranks[slot];
@@ -216,88 +295,106 @@ extern "C" __global__ void lora_shrink_ids(const u32* __restrict__ ids, const bf
     }
 }
 
+extern "C" __global__ void lora_shrink_ids(const u32* __restrict__ ids, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
+                                           const u32* __restrict__ ranks, int R, int vocab, float* __restrict__ t) {
+    pdl_entry();
+    for (int tile = blockIdx.x; tile < (int)G[0]; tile += gridDim.x) {
+        lora_shrink_ids_tile(tile, ids, A, G, C, ranks, R, vocab, t);
+    }
+}
+
 // Expand with the per-slice scaling and the residual add fused:
 // y[perm[p]][o] += s_j · Σ_{k<r} t[p][j·r + k] · Bᵀ[slot][k][o], j the slice of column o
 // (boundaries off1, off2; pass out for slices that do not exist), t the shrink's final sums.
-// grid (tiles, ceil(out / 256)), 256 threads: a lane owns 8 consecutive columns (16-byte Bᵀ
-// loads, a warp's y rows 1 KiB contiguous), the 8 warps own rows w, w + 8 of each group of
-// LORA_SUB rows, whose scaled coefficients sit in shared memory (LORA_SUB × n·R floats, dynamic).
-// Bᵀ is held in registers LORA_KC rank steps at a time and serves every row of the tile.
-extern "C" __global__ void __launch_bounds__(256, 2) lora_expand(const float* __restrict__ t, const bf16_t* __restrict__ B, const u32* __restrict__ G, int C,
-                                                              const u32* __restrict__ ranks, const float* __restrict__ scal, int n_slices, int R, int b_ld,
-                                                              int off1, int off2, int out, float* __restrict__ y) {
+// grid (item blocks, ceil(out / LEX_COLS)), LEX_THREADS threads, for each work item (below):
+// a lane owns 8 consecutive columns (16-byte Bᵀ loads, a warp's y rows 1 KiB contiguous) for
+// each of the item's LEX_ZROWS rows of its tile, two rows at a time, so every warp works even when
+// the tile is one decode row (warps split over rows, as before, left 7 of 8 idle there and
+// starved the memory system of loads in flight), and a long tile still spreads over many
+// blocks. The scaled coefficients of the block's rows sit in shared memory (≤ LORA_SUB × n·R
+// floats, dynamic); Bᵀ is held in registers LORA_KC rank steps at a time, loaded once for all
+// of the block's rows when the rank fits one such chunk.
+#define LEX_THREADS 128
+#define LEX_COLS (LEX_THREADS * 8)
+#define LEX_ZROWS 4
+__device__ __forceinline__ void lora_expand_item(int tile, int s0, const float* __restrict__ t, const bf16_t* __restrict__ B, const u32* __restrict__ G, int C,
+                                                                  const u32* __restrict__ ranks, const float* __restrict__ scal, int n_slices, int R, int b_ld,
+                                                                  int off1, int off2, int out, float* __restrict__ y) {
     extern __shared__ float coef[];
-    pdl_entry();
-    const int tile = blockIdx.x;
-    if (tile >= (int)G[0]) return;
     const u32* perm = G + 1;
     const int p0 = G[1 + C + tile], n = G[1 + 2 * C + tile], slot = G[1 + 3 * C + tile];
     const int r = ranks[slot];
-    if (n == 0 || r == 0) return;
+    if (s0 >= n || r == 0) return;
     const int W = n_slices * R, nr = n_slices * r;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int o0 = (blockIdx.y * 32 + lane) * 8;
+    const int o0 = (blockIdx.y * LEX_THREADS + threadIdx.x) * 8;
+    const bool live = o0 < out;
     const bf16_t* b = B + (size_t)slot * R * b_ld;
     int jr[8];  // j·r of each of this lane's columns
 #pragma unroll
     for (int e = 0; e < 8; ++e) jr[e] = ((o0 + e >= off1) + (o0 + e >= off2)) * r;
     const bool vec = (out & 7) == 0 && (b_ld & 7) == 0;
-    for (int s0 = 0; s0 < n; s0 += LORA_SUB) {
-        const int ns = min(LORA_SUB, n - s0);
-        __syncthreads();  // the previous group's coefficients are no longer read
+    const int chunks = (r + LORA_KC - 1) / LORA_KC;
+    uint4 bq[LORA_KC];
+#define LEX_LOAD_B(kc)                                                                       \
+    _Pragma("unroll") for (int q = 0; q < LORA_KC; ++q) if (q < r - (kc)) bq[q] = *reinterpret_cast<const uint4*>(b + (size_t)((kc) + q) * b_ld + o0);
+    if (vec && live && chunks == 1) {
+        LEX_LOAD_B(0)
+    }
+    {
+        // This block's rows of the tile: LEX_ZROWS of them from s0.
+        const int ns = min(LEX_ZROWS, n - s0);
         for (int e = threadIdx.x; e < ns * nr; e += blockDim.x) {
             const int i = e / nr, c = e % nr;
             coef[i * W + c] = t[(size_t)(p0 + s0 + i) * W + c] * scal[slot * 3 + c / r];
         }
         __syncthreads();
-        if (o0 >= out) continue;
-        const int i0 = warp, i1 = warp + 8;  // this warp's rows of the group
-        if (i0 >= ns) continue;
-        const bool two = i1 < ns;
-        float* y0 = y + (size_t)perm[p0 + s0 + i0] * out + o0;
-        float* y1 = y + (size_t)perm[p0 + s0 + (two ? i1 : i0)] * out + o0;
+        if (!live) return;
         if (vec) {
-            // Both rows' outputs are loaded before either is stored (no aliasing stall), once
-            // for all rank steps.
-            float a0[8], a1[8];
-            {
-                const float4 u0 = *reinterpret_cast<const float4*>(y0), v0 = *reinterpret_cast<const float4*>(y0 + 4);
-                const float4 u1 = *reinterpret_cast<const float4*>(y1), v1 = *reinterpret_cast<const float4*>(y1 + 4);
-                a0[0] = u0.x; a0[1] = u0.y; a0[2] = u0.z; a0[3] = u0.w; a0[4] = v0.x; a0[5] = v0.y; a0[6] = v0.z; a0[7] = v0.w;
-                a1[0] = u1.x; a1[1] = u1.y; a1[2] = u1.z; a1[3] = u1.w; a1[4] = v1.x; a1[5] = v1.y; a1[6] = v1.z; a1[7] = v1.w;
-            }
-            const float* c0p = coef + i0 * W;
-            const float* c1p = coef + (two ? i1 : i0) * W;
-            for (int kc = 0; kc < r; kc += LORA_KC) {
-                const int kn = min(LORA_KC, r - kc);
-                uint4 bq[LORA_KC];
+            for (int i = 0; i < ns; i += 2) {
+                // Both rows' outputs are loaded before either is stored (no aliasing stall), once
+                // for all rank steps.
+                const bool two = i + 1 < ns;
+                float* y0 = y + (size_t)perm[p0 + s0 + i] * out + o0;
+                float* y1 = y + (size_t)perm[p0 + s0 + (two ? i + 1 : i)] * out + o0;
+                float a0[8], a1[8];
+                {
+                    const float4 u0 = *reinterpret_cast<const float4*>(y0), v0 = *reinterpret_cast<const float4*>(y0 + 4);
+                    const float4 u1 = *reinterpret_cast<const float4*>(y1), v1 = *reinterpret_cast<const float4*>(y1 + 4);
+                    a0[0] = u0.x; a0[1] = u0.y; a0[2] = u0.z; a0[3] = u0.w; a0[4] = v0.x; a0[5] = v0.y; a0[6] = v0.z; a0[7] = v0.w;
+                    a1[0] = u1.x; a1[1] = u1.y; a1[2] = u1.z; a1[3] = u1.w; a1[4] = v1.x; a1[5] = v1.y; a1[6] = v1.z; a1[7] = v1.w;
+                }
+                const float* c0p = coef + i * W;
+                const float* c1p = coef + (two ? i + 1 : i) * W;
+                for (int ch = 0; ch < chunks; ++ch) {
+                    const int kc = ch * LORA_KC;
+                    if (chunks > 1) {
+                        LEX_LOAD_B(kc)
+                    }
 #pragma unroll
-                for (int q = 0; q < LORA_KC; ++q)
-                    if (q < kn) bq[q] = *reinterpret_cast<const uint4*>(b + (size_t)(kc + q) * b_ld + o0);
+                    for (int q = 0; q < LORA_KC; ++q) {
+                        if (q < r - kc) {
+                            float bf[8];
+                            bf16x8_to_f32(bq[q], bf);
 #pragma unroll
-                for (int q = 0; q < LORA_KC; ++q) {
-                    if (q < kn) {
-                        float bf[8];
-                        bf16x8_to_f32(bq[q], bf);
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            a0[e] += c0p[jr[e] + kc + q] * bf[e];
-                            a1[e] += c1p[jr[e] + kc + q] * bf[e];
+                            for (int e = 0; e < 8; ++e) {
+                                a0[e] += c0p[jr[e] + kc + q] * bf[e];
+                                a1[e] += c1p[jr[e] + kc + q] * bf[e];
+                            }
                         }
                     }
                 }
-            }
-            *reinterpret_cast<float4*>(y0) = make_float4(a0[0], a0[1], a0[2], a0[3]);
-            *reinterpret_cast<float4*>(y0 + 4) = make_float4(a0[4], a0[5], a0[6], a0[7]);
-            if (two) {
-                *reinterpret_cast<float4*>(y1) = make_float4(a1[0], a1[1], a1[2], a1[3]);
-                *reinterpret_cast<float4*>(y1 + 4) = make_float4(a1[4], a1[5], a1[6], a1[7]);
+                *reinterpret_cast<float4*>(y0) = make_float4(a0[0], a0[1], a0[2], a0[3]);
+                *reinterpret_cast<float4*>(y0 + 4) = make_float4(a0[4], a0[5], a0[6], a0[7]);
+                if (two) {
+                    *reinterpret_cast<float4*>(y1) = make_float4(a1[0], a1[1], a1[2], a1[3]);
+                    *reinterpret_cast<float4*>(y1 + 4) = make_float4(a1[4], a1[5], a1[6], a1[7]);
+                }
             }
         } else {
             // Any width: one column at a time.
             for (int e = 0; e < 8 && o0 + e < out; ++e) {
                 const int o = o0 + e;
-                for (int i = i0; i < ns; i += 8) {
+                for (int i = 0; i < ns; ++i) {
                     const float* ci = coef + i * W + jr[e];
                     float acc = 0.f;
                     for (int k = 0; k < r; ++k) acc += ci[k] * bf2f(b[(size_t)k * b_ld + o]);
@@ -305,5 +402,49 @@ extern "C" __global__ void __launch_bounds__(256, 2) lora_expand(const float* __
                 }
             }
         }
+    }
+#undef LEX_LOAD_B
+}
+
+// Work items are (tile, LEX_ZROWS rows of it), numbered tile by tile; block x takes items x,
+// x + gridDim.x, … A recorded step launches a fixed number of item blocks (lora.rs), not one
+// per possible tile and row group: blocks with nothing to do still cost their dispatch, and
+// 256 possible tiles × 16 row groups × 28 column blocks of empty blocks measured slower than
+// the work itself.
+__device__ __forceinline__ int lora_item_tile(const u32* G, int C, int item, int* s0) {
+    // Every warp finds the item's tile itself, 32 tiles a round: item counts of 32 tiles at
+    // once, an inclusive scan by shuffles, the first lane whose sum passes the item (a serial
+    // walk cost one dependent load per tile, ~3 µs an item over a 2048-row prefill's 32 tiles).
+    const int tiles = G[0], lane = threadIdx.x & 31;
+    int base = 0;
+    for (int t0 = 0; t0 < tiles; t0 += 32) {
+        const int c = t0 + lane < tiles ? ((int)G[1 + 2 * C + t0 + lane] + LEX_ZROWS - 1) / LEX_ZROWS : 0;
+        int incl = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const int total = __shfl_sync(0xffffffffu, incl, 31);
+        if (item < base + total) {
+            const int l = __ffs(__ballot_sync(0xffffffffu, item < base + incl)) - 1;
+            *s0 = (item - base - __shfl_sync(0xffffffffu, incl - c, l)) * LEX_ZROWS;
+            return t0 + l;
+        }
+        base += total;
+    }
+    return -1;
+}
+
+extern "C" __global__ void __launch_bounds__(LEX_THREADS) lora_expand(const float* __restrict__ t, const bf16_t* __restrict__ B, const u32* __restrict__ G, int C,
+                                                                  const u32* __restrict__ ranks, const float* __restrict__ scal, int n_slices, int R, int b_ld,
+                                                                  int off1, int off2, int out, float* __restrict__ y) {
+    pdl_entry();
+    for (int item = blockIdx.x;; item += gridDim.x) {
+        int s0 = 0;
+        const int tile = lora_item_tile(G, C, item, &s0);
+        if (tile < 0) break;
+        __syncthreads(); // the previous item's coefficients are no longer read
+        lora_expand_item(tile, s0, t, B, G, C, ranks, scal, n_slices, R, b_ld, off1, off2, out, y);
     }
 }

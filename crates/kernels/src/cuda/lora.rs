@@ -5,10 +5,12 @@
 //! 1. the shrink `t = x · Aᵀ` for each tile's rows, its inputs split into 256-wide pieces over
 //!    blocks so that even a one-row step streams the adapter from ~100 SMs (the last block of
 //!    each group adds the split partials in a fixed order): for steps of fewer than 64 rows
-//!    (decode) `lora_shrink`, a warp per A row; from 64 rows `lora_shrink_mma` on tensor cores,
-//!    a tile's ≤ 64 rows × 32 A rows per block; `lora_shrink_ids` for the embedding;
+//!    (decode) `lora_shrink`, a warp per A row, which merges splits when the step has many
+//!    tiles (many adapters) so its blocks do more than one load each; from 64 rows
+//!    `lora_shrink_mma` on tensor cores, a tile's ≤ 64 rows × 32 A rows per block, tiles of
+//!    at most 4 rows dotted by warps instead; `lora_shrink_ids` for the embedding;
 //! 2. `lora_expand`: `y += s_j · t · Bᵀ` per slice, the scaling and the add into
-//!    the base output in one pass.
+//!    the base output in one pass, every warp on its own columns of all the tile's rows.
 //!
 //! Which kernels run and their grids depend on the row count and the site only, never on the
 //! adapters, and a step being recorded launches every possible tile (the unused ones exit at
@@ -16,23 +18,32 @@
 //! them; an eager step launches just the tiles it has.
 
 use super::*;
-use crate::lora::{packed_len, LoraCall, LoraSiteBuffers, LoraSiteShape, LoraStorage, LoraTable, LoraX, MAX_SLICES};
+use crate::lora::{packed_len, LoraCall, LoraSiteShape, LoraStorage, LoraX, MAX_SLICES};
 
 /// Most rows per tile (`LORA_TILE` in lora.cu): a prefill segment's tiles feed the tensor-core
 /// shrink 64 rows at a time; decode chunks are shorter (the chunk size).
 pub(super) const TILE_ROWS: usize = 64;
 /// Rows whose expand coefficients sit in shared memory at a time (`LORA_SUB`).
-const SUB_ROWS: usize = 16;
-/// A rows per block of the small shrink (`LORA_AR`), of the tensor-core one (`LSM_BN`), and the
-/// expand's columns per block.
+pub(super) const SUB_ROWS: usize = 16;
+/// A rows per block of the small shrink (a warp each).
 const SHRINK_ROWS: usize = 8;
 /// Split-k counters per (row, 8 columns) of a step: enough for both shrinks' (tile, column
 /// group) pairs.
 fn counters_len(rows: usize, width: usize) -> usize {
     rows * width.div_ceil(SHRINK_ROWS)
 }
+/// A rows per block of the tensor-core shrink (`LSM_BN`).
 const SHRINK_MMA_COLS: usize = 32;
-const EXPAND_COLS_PER_BLOCK: usize = 256;
+/// The expand's columns per block (`LEX_COLS`: 128 threads × 8) and its threads.
+const EXPAND_COLS_PER_BLOCK: usize = 1024;
+const EXPAND_THREADS: u32 = 128;
+/// Rows of a tile per expand work item (`LEX_ZROWS`): a 64-row tile spreads over 16 blocks per
+/// column range.
+const EXPAND_ROWS_PER_BLOCK: usize = 4;
+/// Row blocks of a recorded step's LoRA launches, each looping over tiles (shrinks) or work
+/// items (the expand) of the step replayed: a grid sized for every possible tile (256 at 256
+/// rows, times the other dimensions) spent more on dispatching empty blocks than on the work.
+const RECORDED_TILE_BLOCKS: usize = 64;
 /// Steps of at least this many rows take the tensor-core shrink (a grouping's row count, so the
 /// choice is the same for every step of one shape).
 const MMA_MIN_ROWS: usize = 64;
@@ -45,7 +56,7 @@ pub(super) const EXPAND_MAX_SMEM: usize = SUB_ROWS * 3 * 512 * 4;
 
 /// How a shrink splits `in_dim` inputs: (inputs per split, splits). Widths that are not a
 /// multiple of 8 (the scalar path) are not split.
-fn split_k(in_dim: usize) -> (usize, usize) {
+pub(super) fn split_k(in_dim: usize) -> (usize, usize) {
     if in_dim.is_multiple_of(8) {
         (SPLIT_K, in_dim.div_ceil(SPLIT_K))
     } else {
@@ -53,10 +64,60 @@ fn split_k(in_dim: usize) -> (usize, usize) {
     }
 }
 
-fn dev_buf(s: &LoraStorage) -> &DevBuf {
+pub(super) fn dev_buf(s: &LoraStorage) -> &DevBuf {
     match s {
         LoraStorage::Cuda(b) => b,
         _ => panic!("CUDA LoRA op given LoRA storage of another device (allocate it with the CUDA device)"),
+    }
+}
+
+/// A launched shrink, for the consumer of its delta (the expand, or a GEMV that adds it):
+/// device addresses of the packed groups, the shrink's sums, the slot buffers' Bᵀ and this
+/// site's rank / scaling rows.
+pub(super) struct LoraLaunch {
+    pub(super) shape: LoraSiteShape,
+    pub(super) gp: u64,
+    pub(super) cap: usize,
+    /// The expand's item blocks.
+    pub(super) items: usize,
+    /// The shrink ran on the side stream: [`CudaDevice::lora_join`] before reading `t`.
+    pub(super) beside: bool,
+    pub(super) t: u64,
+    pub(super) b: u64,
+    pub(super) ranks: u64,
+    pub(super) scal: u64,
+}
+
+impl LoraLaunch {
+    /// Start of slice `j`'s columns (the output width for slices the site does not have).
+    pub(super) fn off(&self, j: usize) -> usize {
+        if j < self.shape.n_slices {
+            self.shape.offsets[j]
+        } else {
+            self.shape.out_dim()
+        }
+    }
+}
+
+/// A second stream for LoRA shrinks: the shrink of a site needs only the site's input, like
+/// the site's base GEMM, so it runs beside the GEMM (forked after the work queued so far, which
+/// also orders it after the previous site's expand, the last reader of the shrink scratch) and
+/// the expand waits for both; a recorded step captures the fork and the join. Its latency comes
+/// off the step's critical path. Off with `QUIVER_CUDA_LORA_SIDE_STREAM=0` and while profiling
+/// (the profiler times one stream).
+pub(super) struct SideStream {
+    pub(super) stream: sys::CUstream,
+    fork: sys::CUevent,
+    join: sys::CUevent,
+}
+
+impl SideStream {
+    pub(super) fn new(profiling: bool) -> anyhow::Result<Option<SideStream>> {
+        if profiling || std::env::var_os("QUIVER_CUDA_LORA_SIDE_STREAM").is_some_and(|v| v == "0") {
+            return Ok(None);
+        }
+        let ev = || result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).context("creating a CUDA event");
+        Ok(Some(SideStream { stream: result::stream::create(result::stream::StreamKind::NonBlocking).context("creating the LoRA side stream")?, fork: ev()?, join: ev()? }))
     }
 }
 
@@ -70,44 +131,6 @@ pub(super) struct LoraGeometry {
 }
 
 impl CudaDevice {
-    pub(super) fn lora_alloc_site_impl(&self, shape: LoraSiteShape) -> LoraSiteBuffers {
-        let mk = |elems: usize| LoraStorage::Cuda(DevBuf::zeroed(&self.ctx, elems * 2).unwrap_or_else(|e| panic!("LoRA pool on {}: {e:#}", self.name)));
-        let smem = SUB_ROWS * shape.shrink_width() * 4;
-        assert!(smem <= EXPAND_MAX_SMEM, "LoRA pool rank {} is too large for the CUDA expand (at most {} for a 3-slice site)", shape.max_rank, EXPAND_MAX_SMEM / (SUB_ROWS * 3 * 4));
-        let mut g = self.lora_geom.lock().unwrap();
-        g.width = g.width.max(shape.shrink_width());
-        g.splits = g.splits.max(split_k(shape.in_dim).1);
-        LoraSiteBuffers { a: mk(shape.slots * shape.a_slot_len()), b: mk(shape.slots * shape.b_slot_len()), shape }
-    }
-
-    pub(super) fn lora_alloc_table_impl(&self, entries: usize, slots: usize) -> LoraTable {
-        let mut t = LoraTable::host(entries, slots);
-        let words = entries * slots * (1 + MAX_SLICES);
-        t.device = Some(LoraStorage::Cuda(DevBuf::zeroed(&self.ctx, words * 4).unwrap_or_else(|e| panic!("LoRA table on {}: {e:#}", self.name))));
-        t
-    }
-
-    /// Converts the slot to bf16 on the host and copies it over on the compute stream, so work
-    /// queued before (a step still reading the old adapter) finishes first.
-    pub(super) fn lora_write_slot_impl(&self, buf: &mut LoraSiteBuffers, slot: usize, fill: &mut dyn FnMut(&mut [f32], &mut [f32])) {
-        self.bind();
-        let (al, bl) = (buf.shape.a_slot_len(), buf.shape.b_slot_len());
-        let mut a = vec![0.0f32; al];
-        let mut b = vec![0.0f32; bl];
-        fill(&mut a, &mut b);
-        let to_bf16 = |v: &[f32]| v.iter().map(|&x| half::bf16::from_f32(x)).collect::<Vec<half::bf16>>();
-        self.htod(dev_buf(&buf.a).ptr + (slot * al * 2) as u64, &to_bf16(&a));
-        self.htod(dev_buf(&buf.b).ptr + (slot * bl * 2) as u64, &to_bf16(&b));
-    }
-
-    pub(super) fn lora_sync_table_impl(&self, table: &mut LoraTable) {
-        self.bind();
-        let Some(d) = &table.device else { return };
-        let d = dev_buf(d).ptr;
-        self.htod(d, &table.ranks);
-        self.htod(d + (table.ranks.len() * 4) as u64, &table.scalings);
-    }
-
     /// Sizes the shrink scratch for a step of `rows` token rows that runs LoRA kernels.
     pub(super) fn lora_reserve(&self, st: &mut State, rows: usize) {
         let g = *self.lora_geom.lock().unwrap();
@@ -116,12 +139,22 @@ impl CudaDevice {
     }
 
     pub(super) fn lora_apply_impl(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
+        if let Some(l) = self.lora_shrink_launch(call, x, false) {
+            self.lora_expand_launch(&l, y);
+        }
+    }
+
+    /// Launches the shrink of `call` (`t = x·Aᵀ` into the scratch, region 0 once the split
+    /// partials are added); what the delta's consumer needs, or `None` when the call has
+    /// nothing to add. `beside`: on the side stream (if there is one), joined by
+    /// [`Self::lora_join`].
+    pub(super) fn lora_shrink_launch(&self, call: &LoraCall<'_>, x: LoraX<'_>, beside: bool) -> Option<LoraLaunch> {
         self.bind();
         let g = &call.groups;
         let cap = g.rows;
         let recording = self.recording.load(std::sync::atomic::Ordering::Relaxed);
         if cap == 0 || (!recording && g.adapter_rows == 0) {
-            return;
+            return None;
         }
         assert!(g.packed.len() == packed_len(cap), "CUDA lora_apply needs the groups packed for {cap} rows (LoraGroups::packed)");
         let sh = call.shape();
@@ -133,22 +166,53 @@ impl CudaDevice {
         let w = sh.shrink_width();
         let mut st = self.state.lock().unwrap();
         let gp = self.meta_ptr(&mut st, g.packed);
-        // Recording: every possible tile (the data decides which are empty); eager: those there are.
-        let tiles = if recording { cap } else { g.packed[0] as usize };
+        // Eager: a block per tile there is. Recording: blocks for up to RECORDED_TILE_BLOCKS
+        // tiles, each looping over the tiles of the step replayed (the data decides how many).
+        let tiles = if recording { cap.min(RECORDED_TILE_BLOCKS) } else { g.packed[0] as usize };
         if tiles == 0 {
-            return;
+            return None;
         }
+        // The expand's work items: LEX_ZROWS rows of a tile each.
+        let items = if recording {
+            cap.min(RECORDED_TILE_BLOCKS)
+        } else {
+            let n = g.packed[0] as usize;
+            g.packed[1 + 2 * cap..1 + 2 * cap + n].iter().map(|&r| (r as usize).div_ceil(EXPAND_ROWS_PER_BLOCK)).sum()
+        };
+        let side = self.lora_side.as_ref().filter(|_| beside && matches!(x, LoraX::Dense(_)));
         match x {
             LoraX::Dense(x) => {
                 let (klen, splits) = split_k(sh.in_dim);
                 self.lora_scratch(&mut st, (1 + splits) * cap * w, counters_len(cap, w), recording);
                 let (t, counters) = (st.lora_t.ptr, st.lora_counters.ptr);
+                let touches = self.touches.load(std::sync::atomic::Ordering::Relaxed);
+                if let Some(sd) = side {
+                    let fail = |e: cudarc::driver::DriverError| -> ! { panic!("LoRA side stream on {}: {e:?}", self.name) };
+                    // SAFETY: events and streams of this context.
+                    unsafe {
+                        result::event::record(sd.fork, self.stream).unwrap_or_else(|e| fail(e));
+                        result::stream::wait_event(sd.stream, sd.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).unwrap_or_else(|e| fail(e));
+                    }
+                    self.on_side.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 if cap >= MMA_MIN_ROWS && sh.in_dim.is_multiple_of(64) {
                     launch!(self, self.k.lora_shrink_mma, (tiles as u32, w.div_ceil(SHRINK_MMA_COLS) as u32, splits as u32), (128, 1, 1);
                         buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, t, counters);
                 } else {
                     launch!(self, self.k.lora_shrink, (tiles as u32, w.div_ceil(SHRINK_ROWS) as u32, splits as u32), (256, 1, 1);
                         buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, t, counters);
+                }
+                if let Some(sd) = side {
+                    self.on_side.store(false, std::sync::atomic::Ordering::Relaxed);
+                    // SAFETY: an event of this context on its side stream.
+                    unsafe { result::event::record(sd.join, sd.stream) }.unwrap_or_else(|e| panic!("LoRA side stream on {}: {e:?}", self.name));
+                }
+                // The shrink writes only its scratch: a bf16 shadow of x made by x's producer
+                // still holds for the GEMM that follows.
+                if let Some((p, len, n)) = st.shadow {
+                    if n == touches {
+                        st.shadow = Some((p, len, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
+                    }
                 }
             }
             LoraX::TokenIds(ids) => {
@@ -159,11 +223,25 @@ impl CudaDevice {
             }
         }
         self.mark("lora shrink");
+        Some(LoraLaunch { shape: *sh, gp, cap, items, t: st.lora_t.ptr, b, ranks, scal, beside: side.is_some() })
+    }
+
+    /// Makes the compute stream wait for a shrink launched beside it.
+    pub(super) fn lora_join(&self, l: &LoraLaunch) {
+        if let (true, Some(sd)) = (l.beside, &self.lora_side) {
+            // SAFETY: events and streams of this context.
+            unsafe { result::stream::wait_event(self.stream, sd.join, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }.unwrap_or_else(|e| panic!("LoRA side stream on {}: {e:?}", self.name));
+        }
+    }
+
+    /// `y += s_j · t · Bᵀ` for the shrink `l` launched.
+    pub(super) fn lora_expand_launch(&self, l: &LoraLaunch, y: &mut Tensor) {
+        self.lora_join(l);
+        let sh = l.shape;
         let out = sh.out_dim();
-        let off = |j: usize| if j < sh.n_slices { sh.offsets[j] } else { out };
-        let smem = (SUB_ROWS * w * 4) as u32;
-        launch!(self, self.k.lora_expand, (tiles as u32, out.div_ceil(EXPAND_COLS_PER_BLOCK) as u32, 1), (256, 1, 1), smem = smem;
-            st.lora_t.ptr, b, gp, cap as i32, ranks, scal, sh.n_slices as i32, sh.max_rank as i32, sh.b_ld as i32, off(1) as i32, off(2) as i32, out as i32, buf(y));
+        let smem = (SUB_ROWS * sh.shrink_width() * 4) as u32;
+        launch!(self, self.k.lora_expand, (l.items as u32, out.div_ceil(EXPAND_COLS_PER_BLOCK) as u32, 1), (EXPAND_THREADS, 1, 1), smem = smem;
+            l.t, l.b, l.gp, l.cap as i32, l.ranks, l.scal, sh.n_slices as i32, sh.max_rank as i32, sh.b_ld as i32, l.off(1) as i32, l.off(2) as i32, out as i32, buf(y));
         self.mark("lora expand");
     }
 

@@ -21,7 +21,7 @@
 
 mod blas;
 
-use crate::{AttnBatch, DType, Device, DeviceKind, ExpertWeights, KvLayout, KvStorage, LoraCall, LoraSiteBuffers, LoraSiteShape, LoraTable, LoraX, MoeRouting, QkNorm, RopeTable, RouterSpec, Tensor, Weight, WeightData};
+use crate::{AttnBatch, DType, Device, DeviceKind, Epilogue, ExpertWeights, KvLayout, KvStorage, LoraCall, LoraImage, LoraSiteBuffers, LoraSiteShape, LoraTable, LoraX, MoeRouting, QkNorm, RopeTable, RouterSpec, Tensor, Weight, WeightData};
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{result, sys, CudaContext, CudaModule};
 use std::ffi::c_void;
@@ -126,6 +126,12 @@ pub struct CudaDevice {
     recording: std::sync::atomic::AtomicBool,
     /// Sampling's specs and results (see `sample.rs`).
     sample_bufs: Mutex<Option<sample::SampleBufs>>,
+    /// f32 A and Bᵀ of the LoRA slot being written into an image (reused: no page faults per site).
+    lora_fill_scratch: Mutex<(Vec<f32>, Vec<f32>)>,
+    /// The stream LoRA shrinks run on beside their site's GEMM (`lora::SideStream`), and
+    /// whether the launch being made goes there.
+    lora_side: Option<lora::SideStream>,
+    on_side: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the raw stream and function handles are used only under the device's discipline
@@ -154,7 +160,9 @@ macro_rules! launch {
 // The op families, each in its file; declared after `launch!` so they can use it.
 mod gemm;
 mod graphs;
+mod init;
 mod lora;
+mod lora_pool;
 mod memory;
 mod module;
 pub mod moe;
@@ -192,81 +200,6 @@ fn grid1(n: usize, threads: u32) -> (u32, u32, u32) {
 }
 
 impl CudaDevice {
-    pub fn new(ordinal: usize) -> Result<Self> {
-        check_libraries()?;
-        let count = CudaContext::device_count().context("counting CUDA devices")?;
-        if ordinal as i32 >= count {
-            bail!("device cuda:{ordinal} requested but this machine has {count} CUDA device(s)");
-        }
-        let ctx = CudaContext::new(ordinal).with_context(|| format!("creating a CUDA context on device {ordinal}"))?;
-        let (maj, min) = ctx.compute_capability()?;
-        let name = format!("cuda:{ordinal} ({}, sm_{maj}{min})", ctx.name().unwrap_or_default());
-        if maj < 8 {
-            // bf16 tensor-core MMAs, cp.async and bf16x2 conversions in kernels.cu are sm_80+.
-            bail!("{name}: Quiver's CUDA kernels need compute capability 8.0 (Ampere) or newer");
-        }
-        let arch = format!("sm_{maj}{min}");
-        let ptx = kernels_ptx(&arch)?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).context("loading Quiver's CUDA kernels")?;
-        let k = Kernels::load(&module)?;
-        let moe_k = moe::MoeKernels::load(&|n: &str| Ok(module.load_function(n).with_context(|| format!("kernel {n}"))?.cu_function()))?;
-        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).context("creating a CUDA stream")?;
-        let graph_max_rows = std::env::var("QUIVER_CUDA_GRAPH_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(GRAPH_MAX_ROWS).min(GRAPH_MAX_ROWS);
-        let blas_workspace = if graph_max_rows > GEMV_MAX_M { Some(DevBuf::zeroed(&ctx, BLAS_WORKSPACE)?) } else { None };
-        let blas = blas::Blas::new(stream, blas_workspace.as_ref().map(|w| (w.ptr, w.bytes)))?;
-        let state = State {
-            host_meta: Vec::new(),
-            meta: DevBuf::zeroed(&ctx, 0)?,
-            staged: [StagedSlice::default(); 6 + MAX_EXTRA],
-            lora_t: DevBuf::zeroed(&ctx, 0)?,
-            lora_counters: DevBuf::zeroed(&ctx, 0)?,
-            row_seq: None,
-            tiles: (0, 0),
-            side: DevBuf::zeroed(&ctx, 0)?,
-            xbf: DevBuf::zeroed(&ctx, 0)?,
-            shadow: None,
-            pin_up: PinnedBuf::new(&ctx, 0)?,
-            pin_down: PinnedBuf::new(&ctx, 0)?,
-        };
-        let copy = CopyStream::new(stream)?;
-        let profiler = std::env::var_os("QUIVER_CUDA_PROFILE").filter(|v| v != "0").map(|_| Mutex::new(Profiler::default()));
-        let split_gemm = match std::env::var("QUIVER_CUDA_SPLIT_GEMM").as_deref() {
-            Ok("1") => SplitGemm::Always,
-            Ok("0") => SplitGemm::Never,
-            Err(_) => SplitGemm::Small,
-            Ok(v) => {
-                tracing::warn!("QUIVER_CUDA_SPLIT_GEMM={v:?} is neither 0 nor 1: splitting GEMMs over small weights only (the default)");
-                SplitGemm::Small
-            }
-        };
-        let graphs = (profiler.is_none() && std::env::var_os("QUIVER_CUDA_GRAPHS").is_none_or(|v| v != "0")).then(|| Mutex::new(Graphs::default()));
-        let pdl = maj >= 9 && std::env::var_os("QUIVER_CUDA_PDL").is_none_or(|v| v != "0");
-        let fuse_epilogues = std::env::var_os("QUIVER_CUDA_FUSE_EPILOGUES").is_none_or(|v| v != "0");
-        Ok(CudaDevice {
-            ordinal,
-            ctx,
-            stream,
-            copy,
-            blas,
-            _blas_workspace: blas_workspace,
-            k,
-            moe_k,
-            _module: module,
-            state: Mutex::new(state),
-            name,
-            profiler,
-            split_gemm,
-            graphs,
-            graph_max_rows,
-            pdl,
-            touches: Default::default(),
-            fuse_epilogues,
-            lora_geom: Mutex::new(lora::LoraGeometry::default()),
-            recording: Default::default(),
-            sample_bufs: Mutex::new(None),
-        })
-    }
-
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -294,8 +227,12 @@ impl CudaDevice {
     /// `params` must match `f`'s C signature, every pointer a live device buffer of this context.
     unsafe fn launch_raw(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, params: &mut [*mut c_void]) -> Result<(), result::DriverError> {
         self.touch();
+        let stream = match &self.lora_side {
+            Some(side) if self.on_side.load(std::sync::atomic::Ordering::Relaxed) => side.stream,
+            _ => self.stream,
+        };
         if !self.pdl {
-            return result::launch_kernel(f, grid, block, smem, self.stream, params);
+            return result::launch_kernel(f, grid, block, smem, stream, params);
         }
         // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
         let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
@@ -309,7 +246,7 @@ impl CudaDevice {
             blockDimY: block.1,
             blockDimZ: block.2,
             sharedMemBytes: smem,
-            hStream: self.stream,
+            hStream: stream,
             attrs: &mut attr,
             numAttrs: 1,
         };
@@ -521,6 +458,10 @@ impl Device for CudaDevice {
         self.mark("rope");
     }
 
+    fn matmul_lora(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, lora: Option<&LoraCall<'_>>, epilogue: Epilogue<'_>, y: &mut Tensor) {
+        self.matmul_lora_impl(x, m, w, bias, lora, epilogue, y)
+    }
+
     fn matmul_silu_mul(&self, x: &Tensor, m: usize, w: &Weight, gate_up: &mut Tensor, out: &mut Tensor) {
         self.matmul_silu_mul_impl(x, m, w, gate_up, out)
     }
@@ -601,6 +542,18 @@ impl Device for CudaDevice {
 
     fn lora_sync_table(&self, table: &mut LoraTable) {
         self.lora_sync_table_impl(table)
+    }
+
+    fn lora_image(&self, elems: usize) -> Option<LoraImage> {
+        Some(self.lora_image_impl(elems))
+    }
+
+    fn lora_image_fill(&self, image: &mut LoraImage, offset: usize, shape: LoraSiteShape, fill: &mut dyn FnMut(&mut [f32], &mut [f32])) {
+        self.lora_image_fill_impl(image, offset, shape, fill)
+    }
+
+    fn lora_write_slot_image(&self, buf: &mut LoraSiteBuffers, slot: usize, image: &LoraImage, offset: usize) {
+        self.lora_write_slot_image_impl(buf, slot, image, offset)
     }
 
     fn lora_tile_rows(&self) -> usize {

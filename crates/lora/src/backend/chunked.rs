@@ -19,4 +19,7 @@ impl LoraBackend for ChunkedBackend {
             dev.lora_apply(&site.call(rows.chunks()), x, y);
         }
     }
+    fn groups<'a>(&self, rows: &'a RowGrouping) -> Option<quiver_kernels::LoraGroups<'a>> {
+        Some(rows.chunks())
+    }
 }

@@ -50,6 +50,12 @@ pub trait LoraBackend: Send + Sync {
     /// `y[t, ..out] += Δ(x[t])` for every row of `rows` that has a slot with nonzero rank for
     /// this site. `y` is row-major `[rows.rows(), out]` on `dev`.
     fn apply(&self, dev: &dyn Device, site: SiteRef<'_>, rows: &RowGrouping, x: LoraX<'_>, y: &mut Tensor);
+    /// The grouping this policy hands the device for `rows` (what [`Self::apply`] passes to
+    /// `Device::lora_apply`), so a projection can take its delta in the same device op
+    /// (`Device::matmul_lora`); `None` for a policy that runs its own loops.
+    fn groups<'a>(&self, _rows: &'a RowGrouping) -> Option<LoraGroups<'a>> {
+        None
+    }
 }
 
 /// A registered backend.
@@ -132,5 +138,8 @@ impl LoraBackend for AutoBackend {
         } else {
             ChunkedBackend.apply(dev, site, rows, x, y)
         }
+    }
+    fn groups<'a>(&self, rows: &'a RowGrouping) -> Option<LoraGroups<'a>> {
+        Some(if self.picks_segments(rows) { rows.segments() } else { rows.chunks() })
     }
 }

@@ -17,4 +17,7 @@ impl LoraBackend for SegmentedBackend {
             dev.lora_apply(&site.call(rows.segments()), x, y);
         }
     }
+    fn groups<'a>(&self, rows: &'a RowGrouping) -> Option<quiver_kernels::LoraGroups<'a>> {
+        Some(rows.segments())
+    }
 }

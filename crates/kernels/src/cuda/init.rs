@@ -1,0 +1,86 @@
+//! Opening a CUDA device: the context, the kernels compiled for its architecture, the streams,
+//! the cuBLAS handle and the per-step state, and the settings read from the environment.
+
+use super::*;
+
+impl CudaDevice {
+    /// Opens device `ordinal`.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        check_libraries()?;
+        let count = CudaContext::device_count().context("counting CUDA devices")?;
+        if ordinal as i32 >= count {
+            bail!("device cuda:{ordinal} requested but this machine has {count} CUDA device(s)");
+        }
+        let ctx = CudaContext::new(ordinal).with_context(|| format!("creating a CUDA context on device {ordinal}"))?;
+        let (maj, min) = ctx.compute_capability()?;
+        let name = format!("cuda:{ordinal} ({}, sm_{maj}{min})", ctx.name().unwrap_or_default());
+        if maj < 8 {
+            // bf16 tensor-core MMAs, cp.async and bf16x2 conversions in kernels.cu are sm_80+.
+            bail!("{name}: Quiver's CUDA kernels need compute capability 8.0 (Ampere) or newer");
+        }
+        let arch = format!("sm_{maj}{min}");
+        let ptx = kernels_ptx(&arch)?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).context("loading Quiver's CUDA kernels")?;
+        let k = Kernels::load(&module)?;
+        let moe_k = moe::MoeKernels::load(&|n: &str| Ok(module.load_function(n).with_context(|| format!("kernel {n}"))?.cu_function()))?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).context("creating a CUDA stream")?;
+        let graph_max_rows = std::env::var("QUIVER_CUDA_GRAPH_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(GRAPH_MAX_ROWS).min(GRAPH_MAX_ROWS);
+        let blas_workspace = if graph_max_rows > GEMV_MAX_M { Some(DevBuf::zeroed(&ctx, BLAS_WORKSPACE)?) } else { None };
+        let blas = blas::Blas::new(stream, blas_workspace.as_ref().map(|w| (w.ptr, w.bytes)))?;
+        let state = State {
+            host_meta: Vec::new(),
+            meta: DevBuf::zeroed(&ctx, 0)?,
+            staged: [StagedSlice::default(); 6 + MAX_EXTRA],
+            lora_t: DevBuf::zeroed(&ctx, 0)?,
+            lora_counters: DevBuf::zeroed(&ctx, 0)?,
+            row_seq: None,
+            tiles: (0, 0),
+            side: DevBuf::zeroed(&ctx, 0)?,
+            xbf: DevBuf::zeroed(&ctx, 0)?,
+            shadow: None,
+            pin_up: PinnedBuf::new(&ctx, 0)?,
+            pin_down: PinnedBuf::new(&ctx, 0)?,
+        };
+        let copy = CopyStream::new(stream)?;
+        let profiler = std::env::var_os("QUIVER_CUDA_PROFILE").filter(|v| v != "0").map(|_| Mutex::new(Profiler::default()));
+        let split_gemm = match std::env::var("QUIVER_CUDA_SPLIT_GEMM").as_deref() {
+            Ok("1") => SplitGemm::Always,
+            Ok("0") => SplitGemm::Never,
+            Err(_) => SplitGemm::Small,
+            Ok(v) => {
+                tracing::warn!("QUIVER_CUDA_SPLIT_GEMM={v:?} is neither 0 nor 1: splitting GEMMs over small weights only (the default)");
+                SplitGemm::Small
+            }
+        };
+        let graphs = (profiler.is_none() && std::env::var_os("QUIVER_CUDA_GRAPHS").is_none_or(|v| v != "0")).then(|| Mutex::new(Graphs::default()));
+        let pdl = maj >= 9 && std::env::var_os("QUIVER_CUDA_PDL").is_none_or(|v| v != "0");
+        let fuse_epilogues = std::env::var_os("QUIVER_CUDA_FUSE_EPILOGUES").is_none_or(|v| v != "0");
+        let profiler_on = profiler.is_some();
+        Ok(CudaDevice {
+            ordinal,
+            ctx,
+            stream,
+            copy,
+            blas,
+            _blas_workspace: blas_workspace,
+            k,
+            moe_k,
+            _module: module,
+            state: Mutex::new(state),
+            name,
+            profiler,
+            split_gemm,
+            graphs,
+            graph_max_rows,
+            pdl,
+            touches: Default::default(),
+            fuse_epilogues,
+            lora_geom: Mutex::new(lora::LoraGeometry::default()),
+            recording: Default::default(),
+            sample_bufs: Mutex::new(None),
+            lora_fill_scratch: Mutex::new((Vec::new(), Vec::new())),
+            lora_side: lora::SideStream::new(profiler_on)?,
+            on_side: Default::default(),
+        })
+    }
+}
