@@ -172,3 +172,28 @@ fn adapter_lifecycle_load_wait_replace_unload() {
     assert!(matches!(e, AdapterError::Invalid(ref m) if m.contains("big")), "{e}");
     h.shutdown_and_join();
 }
+
+/// On a device that makes adapter images (CUDA does; here a CPU device told to), the loader
+/// thread makes each image as it reads the adapter and every activation copies from it: three
+/// adapters rotating through two slots, twice, give what the oracle gives.
+#[test]
+fn adapters_activated_from_device_images_match_the_oracle() {
+    let mut lm = tiny(9);
+    lm.model.device = std::sync::Arc::new(quiver_kernels::cpu::CpuDevice::with_lora_images());
+    let oracle_lm = tiny(9);
+    let vocab = lm.model.config.vocab_size;
+    let paths = make_adapters("images", &lm.model.lora_dims(), 3, 8, 0.5, 400);
+    let (mut oracle, keys) = oracle_manager(&oracle_lm.model, &paths);
+    let h = Engine::start(lm, EngineConfig { max_lora_rank: 8, max_loras_per_batch: 2, ..Default::default() }).unwrap();
+    for (i, p) in paths.iter().enumerate() {
+        h.load_adapter_blocking(&format!("a{i}"), p, false, false, None).unwrap();
+    }
+    for round in 0..2 {
+        for (i, &key) in keys.iter().enumerate() {
+            let p = prompt(30 + i as u64, 7, vocab);
+            let got = h.submit(GenerateRequest { adapter: Some(format!("a{i}")), ..greedy(p.clone(), 5) }).unwrap().collect_blocking();
+            assert_eq!(got.tokens[0], alone(&oracle_lm.model, Some((&mut oracle, key)), &p, 5, &[]), "round {round}, adapter {i}");
+        }
+    }
+    h.shutdown_and_join();
+}

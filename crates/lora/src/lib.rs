@@ -54,7 +54,7 @@ pub use config::{AdapterConfig, LoraModule};
 pub use error::LoraError;
 pub use eviction_policy::EvictionPolicy;
 pub use manager::{BatchHook, LoraConfig, LoraManager};
-pub use mem_pool::LoraMemoryPool;
+pub use mem_pool::{LoraImageMaker, LoraMemoryPool};
 pub use registry::{AdapterId, AdapterKey, AdapterInfo};
 pub use mem_pool::MAX_EXPERT_POOL_BYTES;
 

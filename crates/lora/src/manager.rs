@@ -118,6 +118,12 @@ impl LoraManager {
         self.backend.name()
     }
 
+    /// What makes adapter images for this manager's pool, for the thread that reads adapters:
+    /// an adapter whose image it made installs without converting anything.
+    pub fn image_maker(&self) -> crate::LoraImageMaker {
+        self.pool.image_maker()
+    }
+
     /// Loads the PEFT adapter at `path` under a new name. Refuses a name already loaded.
     pub fn load_adapter(&mut self, name: &str, path: impl AsRef<Path>) -> Result<AdapterKey> {
         self.load_adapter_with(name, path, false)

@@ -84,6 +84,8 @@ fn lm_head_entry(l: usize) -> usize {
 pub struct LoraMemoryPool {
     pub dims: LoraModelDims,
     device: Arc<dyn Device>,
+    /// Makes adapters' images for this pool's layout (also from the engine's loader thread).
+    images: LoraImageMaker,
     num_slots: usize,
     max_rank: usize,
     modules: Vec<LoraModule>,
@@ -184,8 +186,10 @@ impl LoraMemoryPool {
         device.lora_sync_table(&mut table);
         let mut expert_table = device.lora_alloc_table(2 * dims.num_layers, (num_slots * e).max(1));
         device.lora_sync_table(&mut expert_table);
-        Ok(LoraMemoryPool {
+        let images = LoraImageMaker { device: device.clone(), sites: Arc::new(Vec::new()), elems: 0, layout: 0 };
+        let mut pool = LoraMemoryPool {
             dims,
+            images,
             device,
             num_slots,
             max_rank,
@@ -201,7 +205,9 @@ impl LoraMemoryPool {
             owner: vec![None; num_slots],
             pinned: vec![false; num_slots],
             tracker: EvictionTracker::new(policy, num_slots),
-        })
+        };
+        pool.images = pool.make_image_maker();
+        Ok(pool)
     }
 
     pub fn num_slots(&self) -> usize {
@@ -341,23 +347,24 @@ impl LoraMemoryPool {
         adapter.check_compatible(self.max_rank, &self.modules)?;
         self.clear_ranks(slot);
         let device = self.device.clone();
+        self.images.prepare(adapter);
         let cell = adapter.image.clone();
-        let mut image = cell.0.lock().unwrap_or_else(|p| p.into_inner());
-        self.ensure_image(&mut image, adapter);
-        match image.as_ref() {
+        let image = cell.0.lock().unwrap_or_else(|p| p.into_inner());
+        match image.as_ref().filter(|i| i.layout == self.images.layout && i.filled) {
             Some(img) => {
                 let mut at = 0;
-                self.for_each_site(slot, adapter, &mut |site, table, entry, s, present| {
+                self.for_each_site(slot, &mut |site, table, entry, s, source| {
                     let shape = site.buffers.shape;
                     device.lora_write_slot_image(&mut site.buffers, s, img, at);
                     at += shape.a_slot_len() + shape.b_slot_len();
-                    set_table_row(table, entry, s, &present);
+                    set_table_row(table, entry, s, &present(adapter, &site.modules, source));
                 });
             }
-            None => self.for_each_site(slot, adapter, &mut |site, table, entry, s, present| {
+            None => self.for_each_site(slot, &mut |site, table, entry, s, source| {
                 let shape = site.buffers.shape;
-                device.lora_write_slot(&mut site.buffers, s, &mut |a, b| fill_slot(shape, &present, a, b));
-                set_table_row(table, entry, s, &present);
+                let p = present(adapter, &site.modules, source);
+                device.lora_write_slot(&mut site.buffers, s, &mut |a, b| fill_slot(shape, &p, a, b));
+                set_table_row(table, entry, s, &p);
             }),
         }
         self.device.lora_sync_table(&mut self.table);
@@ -368,103 +375,130 @@ impl LoraMemoryPool {
         Ok(())
     }
 
-    /// Makes `adapter`'s image for this pool now (on a device that makes them), so its first
-    /// activation is copies too: the manager calls it when the adapter's weights enter host
-    /// memory, off the path of any step.
-    pub fn prepare_image(&mut self, adapter: &LoraAdapter) {
-        let cell = adapter.image.clone();
-        let mut image = cell.0.lock().unwrap_or_else(|p| p.into_inner());
-        self.ensure_image(&mut image, adapter);
+    /// Makes `adapter`'s image for this pool now (on a device that makes them) unless the
+    /// loader thread did, so its first activation is copies too: the manager calls it when the
+    /// adapter's weights enter host memory, off the path of any step.
+    pub fn prepare_image(&self, adapter: &LoraAdapter) {
+        self.images.prepare(adapter);
     }
 
-    /// Fills `image` with `adapter` for this pool's layout unless it already holds that.
-    fn ensure_image(&mut self, image: &mut Option<quiver_kernels::LoraImage>, adapter: &LoraAdapter) {
-        let (elems, layout) = self.image_layout();
-        if image.as_ref().is_some_and(|i| i.layout == layout && i.filled) {
-            return;
-        }
-        let device = self.device.clone();
-        *image = device.lora_image(elems).map(|mut i| {
-            i.layout = layout;
-            i
-        });
-        if let Some(img) = image.as_mut() {
-            let mut at = 0;
-            self.for_each_site(0, adapter, &mut |site, _, _, _, present| {
-                let shape = site.buffers.shape;
-                device.lora_image_fill(img, at, shape, &mut |a, b| fill_slot(shape, &present, a, b));
-                at += shape.a_slot_len() + shape.b_slot_len();
-            });
-            img.filled = true;
-        }
-    }
-
-    /// Calls `f(site, table, entry, slot index, slices)` for every site of the pool, in one
-    /// fixed order (the order of an adapter's image), with the adapter's modules for it: the
-    /// dense sites and the shared expert's of each layer, each expert's slot of the expert
-    /// sites, then the embedding and the LM head.
-    fn for_each_site<'a>(&mut self, slot: usize, adapter: &'a LoraAdapter, f: &mut dyn FnMut(&mut PoolSite, &mut LoraTable, usize, usize, Present<'a>)) {
-        let dense = |site: &PoolSite, layer: usize| -> Present<'a> { std::array::from_fn(|j| site.modules[j].and_then(|m| adapter.module(layer, m))) };
+    /// Calls `f(site, table, entry, slot index, source)` for every site of the pool, in one
+    /// fixed order (the order of an adapter's image; [`LoraImageMaker`] records it): the dense
+    /// sites and the shared expert's of each layer, each expert's slot of the expert sites, then
+    /// the embedding and the LM head. `source` says which of an adapter's modules fill it.
+    fn for_each_site(&mut self, slot: usize, f: &mut dyn FnMut(&mut PoolSite, &mut LoraTable, usize, usize, ImageSource)) {
         let l = self.dims.num_layers;
         let ne = self.num_experts;
         for layer in 0..l {
             for site in LinearSite::ALL {
                 let e = layer * 4 + site.index();
                 if let Some(buf) = self.sites[e].as_mut() {
-                    let p = dense(buf, layer);
-                    f(buf, &mut self.table, e, slot, p);
+                    f(buf, &mut self.table, e, slot, ImageSource::Layer(layer));
                 }
             }
             for site in ExpertSite::ALL {
                 if let Some(buf) = self.shared[layer][site.index()].as_mut() {
-                    let p = dense(buf, layer);
-                    f(buf, &mut self.table, shared_entry(l, layer, site), slot, p);
+                    f(buf, &mut self.table, shared_entry(l, layer, site), slot, ImageSource::Layer(layer));
                 }
                 if let Some(buf) = self.experts[layer][site.index()].as_mut() {
                     for x in 0..ne {
-                        let p = std::array::from_fn(|j| buf.modules[j].and_then(|m| adapter.expert(layer, x, m)));
-                        f(buf, &mut self.expert_table, 2 * layer + site.index(), slot * ne + x, p);
+                        f(buf, &mut self.expert_table, 2 * layer + site.index(), slot * ne + x, ImageSource::Expert(layer, x));
                     }
                 }
             }
         }
         if let Some(buf) = self.embed.as_mut() {
-            let p = dense(buf, 0);
-            f(buf, &mut self.table, embed_entry(l), slot, p);
+            f(buf, &mut self.table, embed_entry(l), slot, ImageSource::Layer(0));
         }
         if let Some(buf) = self.lm_head.as_mut() {
-            let p = dense(buf, 0);
-            f(buf, &mut self.table, lm_head_entry(l), slot, p);
+            f(buf, &mut self.table, lm_head_entry(l), slot, ImageSource::Layer(0));
         }
     }
 
-    /// Elements of one adapter's image (every site's slot, in [`Self::for_each_site`]'s order)
-    /// and a key for this device and these site shapes.
-    fn image_layout(&self) -> (usize, u64) {
+    /// What makes adapter images for this pool, for another thread (the engine's loader).
+    pub fn image_maker(&self) -> LoraImageMaker {
+        self.images.clone()
+    }
+
+    /// The image maker of a freshly allocated pool: its sites in [`Self::for_each_site`]'s
+    /// order, so the two cannot disagree.
+    fn make_image_maker(&mut self) -> LoraImageMaker {
         use std::hash::{Hash, Hasher};
+        let mut sites = Vec::new();
+        self.for_each_site(0, &mut |site, _, _, _, source| sites.push(ImageSite { shape: site.buffers.shape, modules: site.modules, source }));
         let mut h = std::collections::hash_map::DefaultHasher::new();
         (Arc::as_ptr(&self.device) as *const () as usize).hash(&mut h);
         let mut elems = 0;
-        let l = self.dims.num_layers;
-        let mut add = |site: &Option<PoolSite>, times: usize| {
-            if let Some(s) = site {
-                let sh = s.buffers.shape;
-                (sh.in_dim, sh.n_slices, sh.offsets, sh.b_ld, sh.max_rank, times).hash(&mut h);
-                elems += times * (sh.a_slot_len() + sh.b_slot_len());
-            }
-        };
-        for layer in 0..l {
-            for site in LinearSite::ALL {
-                add(&self.sites[layer * 4 + site.index()], 1);
-            }
-            for site in ExpertSite::ALL {
-                add(&self.shared[layer][site.index()], 1);
-                add(&self.experts[layer][site.index()], self.num_experts);
-            }
+        for s in &sites {
+            let sh = s.shape;
+            (sh.in_dim, sh.n_slices, sh.offsets, sh.b_ld, sh.max_rank, s.modules, s.source).hash(&mut h);
+            elems += sh.a_slot_len() + sh.b_slot_len();
         }
-        add(&self.embed, 1);
-        add(&self.lm_head, 1);
-        (elems, h.finish().max(1))
+        LoraImageMaker { device: self.device.clone(), sites: Arc::new(sites), elems, layout: h.finish().max(1) }
+    }
+}
+
+/// Which of an adapter's modules fill a pool site: a layer's (dense sites, the shared expert,
+/// and layer 0 for the embedding and the LM head) or one expert's of a layer.
+#[derive(Clone, Copy, Hash)]
+enum ImageSource {
+    Layer(usize),
+    Expert(usize, usize),
+}
+
+/// One site of an adapter's image, in image order.
+#[derive(Clone, Copy)]
+struct ImageSite {
+    shape: LoraSiteShape,
+    modules: [Option<LoraModule>; MAX_SLICES],
+    source: ImageSource,
+}
+
+/// The adapter's weights for each slice of a site.
+fn present<'a>(adapter: &'a LoraAdapter, modules: &[Option<LoraModule>; MAX_SLICES], source: ImageSource) -> Present<'a> {
+    std::array::from_fn(|j| {
+        modules[j].and_then(|m| match source {
+            ImageSource::Layer(l) => adapter.module(l, m),
+            ImageSource::Expert(l, x) => adapter.expert(l, x, m),
+        })
+    })
+}
+
+/// Makes adapters' images for a pool ([`quiver_kernels::LoraImage`]) without the pool itself:
+/// its device and its sites in image order. The engine's loader thread holds a clone, so an
+/// adapter's image is made as its files are read, and installing or activating it on the engine
+/// thread only finds it made.
+#[derive(Clone)]
+pub struct LoraImageMaker {
+    device: Arc<dyn Device>,
+    sites: Arc<Vec<ImageSite>>,
+    elems: usize,
+    /// Hash of the device and the site list: an image is reused only by a pool of the same.
+    layout: u64,
+}
+
+impl LoraImageMaker {
+    /// Makes `adapter`'s image unless it has one for this layout, on a device that makes images
+    /// (a no-op elsewhere).
+    pub fn prepare(&self, adapter: &LoraAdapter) {
+        let cell = adapter.image.clone();
+        let mut image = cell.0.lock().unwrap_or_else(|p| p.into_inner());
+        if image.as_ref().is_some_and(|i| i.layout == self.layout && i.filled) {
+            return;
+        }
+        *image = self.device.lora_image(self.elems).map(|mut i| {
+            i.layout = self.layout;
+            i
+        });
+        if let Some(img) = image.as_mut() {
+            let mut at = 0;
+            for s in self.sites.iter() {
+                let p = present(adapter, &s.modules, s.source);
+                self.device.lora_image_fill(img, at, s.shape, &mut |a, b| fill_slot(s.shape, &p, a, b));
+                at += s.shape.a_slot_len() + s.shape.b_slot_len();
+            }
+            img.filled = true;
+        }
     }
 }
 

@@ -214,7 +214,15 @@ impl Engine {
             Some(d) => Some(d.canonicalize().map_err(|e| anyhow::anyhow!("--lora-dir {}: {e}", d.display()))?),
             None => None,
         };
-        let loader = Loader { dims, max_rank: cfg.max_lora_rank, modules: cfg.lora_target_modules.clone(), sandbox, cancel: cancel_loads.clone(), model: model.config.clone() };
+        let loader = Loader {
+            dims,
+            max_rank: cfg.max_lora_rank,
+            modules: cfg.lora_target_modules.clone(),
+            sandbox,
+            cancel: cancel_loads.clone(),
+            model: model.config.clone(),
+            images: manager.image_maker(),
+        };
         std::thread::Builder::new().name("quiver-lora-loader".into()).spawn(move || loader_loop(lrx, etx, loader))?;
         let stride = max_model_len.div_ceil(bs);
         // An embedding step returns hidden states: every row of a chunk under mean pooling.

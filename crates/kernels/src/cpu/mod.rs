@@ -30,11 +30,19 @@ pub fn gemm_kind() -> &'static str {
 
 /// The CPU device. Stateless: every op works on the buffers it is given.
 #[derive(Default)]
-pub struct CpuDevice;
+pub struct CpuDevice {
+    lora_images: bool,
+}
 
 impl CpuDevice {
     pub fn new() -> Self {
-        CpuDevice
+        CpuDevice::default()
+    }
+    /// A CPU device that also makes LoRA adapter images (`Device::lora_image`: the pool's f32
+    /// slot contents, copied into a slot on activation), which a host-memory pool does not
+    /// need; it runs the pool's image path where a test can compare it with the direct one.
+    pub fn with_lora_images() -> Self {
+        CpuDevice { lora_images: true }
     }
 }
 
@@ -120,6 +128,26 @@ impl Device for CpuDevice {
 
     fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
         lora::apply(call, x, y.as_cpu_mut());
+    }
+
+    fn lora_image(&self, elems: usize) -> Option<crate::LoraImage> {
+        self.lora_images.then(|| crate::LoraImage { elems, filled: false, layout: 0, data: Box::new(vec![0.0f32; elems]) })
+    }
+
+    fn lora_image_fill(&self, image: &mut crate::LoraImage, offset: usize, shape: crate::LoraSiteShape, fill: &mut dyn FnMut(&mut [f32], &mut [f32])) {
+        let (al, bl) = (shape.a_slot_len(), shape.b_slot_len());
+        let v = image.data.downcast_mut::<Vec<f32>>().expect("a CPU LoRA image");
+        let (a, b) = v[offset..offset + al + bl].split_at_mut(al);
+        a.fill(0.0);
+        b.fill(0.0);
+        fill(a, b);
+    }
+
+    fn lora_write_slot_image(&self, buf: &mut crate::LoraSiteBuffers, slot: usize, image: &crate::LoraImage, offset: usize) {
+        let (al, bl) = (buf.shape.a_slot_len(), buf.shape.b_slot_len());
+        let v = image.data.downcast_ref::<Vec<f32>>().expect("a CPU LoRA image");
+        buf.a.host_mut()[slot * al..(slot + 1) * al].copy_from_slice(&v[offset..offset + al]);
+        buf.b.host_mut()[slot * bl..(slot + 1) * bl].copy_from_slice(&v[offset + al..offset + al + bl]);
     }
 
     /// Weights are repacked once here for the GEMM that runs them at every M: column panels

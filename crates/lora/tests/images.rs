@@ -1,0 +1,83 @@
+//! The pool's image path (an adapter converted once into the pool's layout, activation copies
+//! from it; what CUDA does with page-locked bf16) on a CPU device that makes f32 images: the
+//! shared device-op checks against the reference backend, and pools filled through images bit
+//! for bit equal to pools filled directly, over every kind of site (dense, shared expert,
+//! per-expert slots, embedding, LM head), slot reuse by a smaller rank included.
+
+mod common;
+mod device_lora;
+
+use quiver_kernels::cpu::CpuDevice;
+use quiver_kernels::{Device, LoraSiteBuffers};
+use quiver_lora::{AdapterId, AdapterKey, EvictionPolicy, ExpertSite, LinearSite, LoraAdapter, LoraMemoryPool, LoraModelDims, LoraModule, MoeLoraDims};
+use std::sync::Arc;
+
+fn imaging() -> Arc<dyn Device> {
+    Arc::new(CpuDevice::with_lora_images())
+}
+
+#[test]
+fn image_path_matches_the_reference_on_random_batches() {
+    device_lora::lora_matches_cpu_reference_on_random_batches(imaging(), "cpu images");
+}
+
+#[test]
+fn image_path_slot_reuse_by_smaller_rank_leaks_nothing() {
+    device_lora::slot_reuse_by_smaller_rank_leaks_nothing(imaging());
+}
+
+#[test]
+fn image_path_one_row_projections_match_cpu() {
+    device_lora::one_row_projections_match_cpu(imaging());
+}
+
+/// Every slot's bytes and the rank / scaling tables of two pools.
+fn contents(p: &LoraMemoryPool, dims: &LoraModelDims) -> Vec<Vec<f32>> {
+    let mut out = Vec::new();
+    let mut add = |b: Option<(&LoraSiteBuffers, usize)>| {
+        if let Some((b, _)) = b {
+            out.push(b.a.host().to_vec());
+            out.push(b.b.host().to_vec());
+        }
+    };
+    for l in 0..dims.num_layers {
+        for s in LinearSite::ALL {
+            add(p.site(l, s));
+        }
+        for s in ExpertSite::ALL {
+            add(p.expert_site(l, s));
+            add(p.shared_site(l, s));
+        }
+    }
+    add(p.embedding());
+    add(p.lm_head());
+    for t in [p.table(), p.expert_table()] {
+        out.push(t.ranks.iter().map(|&r| r as f32).collect());
+        out.push(t.scalings.clone());
+    }
+    out
+}
+
+#[test]
+fn pools_filled_through_images_equal_pools_filled_directly() {
+    let moe = MoeLoraDims { num_experts: 4, expert_intermediate: 24, shared_intermediate: 40, mixtral_names: false, moe_layers: 0b10 };
+    let dims = LoraModelDims { num_layers: 2, hidden: 32, q_out: 32, kv_out: 16, intermediate: 48, vocab: 60, moe: Some(moe) };
+    let mods: Vec<LoraModule> = LoraModule::ALL.iter().chain(&LoraModule::MOE).copied().collect();
+    let big = LoraAdapter::synthetic("big", &dims, &mods, 8, 16.0, 0.3, 1).unwrap();
+    let small = LoraAdapter::synthetic("small", &dims, &[LoraModule::KProj, LoraModule::ExpertUpProj, LoraModule::SharedDownProj, LoraModule::LmHead], 3, 3.0, 0.3, 2).unwrap();
+    let pool = |dev: Arc<dyn Device>| LoraMemoryPool::new(dev, dims, 2, 8, &mods, EvictionPolicy::Lru).unwrap();
+    let (mut direct, mut imaged) = (pool(Arc::new(CpuDevice::new())), pool(imaging()));
+    let key = |i: u32| AdapterKey { id: AdapterId(i), version: i as u64 };
+    // Both slots, then the big adapter's slot rewritten by the small one (its image made at
+    // the first load, reused at the second).
+    for (slot, a, k) in [(0, &big, 1), (1, &small, 2), (0, &small, 3)] {
+        for p in [&mut direct, &mut imaged] {
+            if p.owner(slot).is_some() {
+                p.free_slot(slot);
+            }
+            p.load(slot, key(k), a).unwrap();
+        }
+        assert_eq!(contents(&direct, &dims), contents(&imaged, &dims), "after loading {} into slot {slot}", a.name);
+    }
+    assert!(contents(&direct, &dims).iter().any(|v| v.iter().any(|&x| x != 0.0)), "the pools hold nothing: the comparison would be empty");
+}
