@@ -299,8 +299,9 @@ impl Epilogue<'_> {
     }
 }
 
-/// A projection without a delta and its epilogue, through the device's fused ops.
-fn epilogue_after_matmul<D: Device + ?Sized>(d: &D, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor) {
+/// A projection without a delta and its epilogue, through the device's fused ops (the
+/// `lora: None` case of [`Device::matmul_lora`], for devices overriding it too).
+pub fn epilogue_after_matmul<D: Device + ?Sized>(d: &D, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor) {
     match epilogue {
         Epilogue::Plain => d.matmul(x, m, w, bias, y),
         Epilogue::RopeQk { positions, n_heads, n_kv_heads, table } => d.matmul_rope_qk(x, m, w, bias, y, positions, n_heads, n_kv_heads, table),

@@ -10,9 +10,8 @@
 use crate::batch::ForwardBatch;
 use crate::config::ModelConfig;
 use crate::moe::{self, Mlp, MoeWorkspace};
-use quiver_kernels::{AttnBatch, Device, KvLayout, KvStorage, QkNorm, RopeTable, Tensor, Weight};
+use quiver_kernels::{AttnBatch, Device, Epilogue, KvLayout, KvStorage, QkNorm, RopeTable, Tensor, Weight};
 use quiver_lora::{LinearSite, LoraHook, LoraModelDims};
-use quiver_kernels::Epilogue;
 use std::sync::Arc;
 
 pub struct LayerWeights {
@@ -252,26 +251,17 @@ impl LlamaModel {
                 } else {
                     d.add_rms_norm(&mut ws.x, &ws.delta, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
                 }
-                // Each projection goes through the LoRA hook when the batch has adapters (the
-                // delta lands between the projection and its epilogue; the device may fold it
-                // into the projection), straight to the device otherwise.
+                // Each projection is one hook call: the projection, the batch's LoRA delta (none
+                // without adapters) and the epilogue, which the device may fuse.
                 let rope = Epilogue::RopeQk { positions: &batch.positions, n_heads: c.num_heads, n_kv_heads: c.num_kv_heads, table: &self.rope };
                 let qkv_epilogue = if l.qk_norm.is_some() { Epilogue::Plain } else { rope };
-                if lora_on {
-                    lora.project(d, li, LinearSite::Qkv, &ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), qkv_epilogue, &mut ws.qkv);
-                } else {
-                    d.matmul_lora(&ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), None, qkv_epilogue, &mut ws.qkv);
-                }
+                lora.project(d, li, LinearSite::Qkv, &ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), qkv_epilogue, &mut ws.qkv);
                 if let Some(norm) = &l.qk_norm {
                     d.qk_norm(&mut ws.qkv, m, c.num_heads, c.num_kv_heads, c.head_dim, norm);
                     d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
                 }
                 d.paged_attention(&ws.qkv, &attn_batch, kv, li, c.num_heads, scale, &mut ws.attn);
-                if lora_on {
-                    lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, None, Epilogue::Plain, &mut ws.delta);
-                } else {
-                    d.matmul(&ws.attn, m, &l.o, None, &mut ws.delta);
-                }
+                lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, None, Epilogue::Plain, &mut ws.delta);
                 d.add_rms_norm(&mut ws.x, &ws.delta, &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
                 let (gate_up, down) = match &l.mlp {
                     Mlp::Dense { gate_up, down } => (gate_up, down),
@@ -283,13 +273,8 @@ impl LlamaModel {
                         continue;
                     }
                 };
-                if lora_on {
-                    lora.project(d, li, LinearSite::GateUp, &ws.xn, m, gate_up, None, Epilogue::SiluMul { out: &mut ws.act }, &mut ws.gate_up);
-                    lora.project(d, li, LinearSite::Down, &ws.act, m, down, None, Epilogue::Plain, &mut ws.delta);
-                } else {
-                    d.matmul_silu_mul(&ws.xn, m, gate_up, &mut ws.gate_up, &mut ws.act);
-                    d.matmul(&ws.act, m, down, None, &mut ws.delta);
-                }
+                lora.project(d, li, LinearSite::GateUp, &ws.xn, m, gate_up, None, Epilogue::SiluMul { out: &mut ws.act }, &mut ws.gate_up);
+                lora.project(d, li, LinearSite::Down, &ws.act, m, down, None, Epilogue::Plain, &mut ws.delta);
             }
             d.add_inplace(&mut ws.x, &ws.delta, m * h);
             if nl == 0 {

@@ -75,13 +75,7 @@ impl CudaDevice {
     /// expand, epilogue). Otherwise the ops one after another.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_lora_impl(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, lora: Option<&LoraCall<'_>>, epilogue: Epilogue<'_>, y: &mut Tensor) {
-        let Some(call) = lora else {
-            return match epilogue {
-                Epilogue::Plain => self.matmul_impl(x, m, w, bias, y),
-                Epilogue::RopeQk { positions, n_heads, n_kv_heads, table } => self.matmul_rope_qk_impl(x, m, w, bias, y, positions, n_heads, n_kv_heads, table),
-                Epilogue::SiluMul { out } => self.matmul_silu_mul_impl(x, m, w, y, out),
-            };
-        };
+        let Some(call) = lora else { return crate::epilogue_after_matmul(self, x, m, w, bias, epilogue, y) };
         let sh = call.shape();
         let fold = self.gemv1_fits(m, w)
             && call.groups.rows == 1
