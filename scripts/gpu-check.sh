@@ -45,7 +45,7 @@ if [ "${GPU_CHECK_LORA:-1}" = 1 ]; then
     step bench-lora-kernels-ranks .gpu/bin/quiver bench lora --device cuda --part kernels --ranks 8,64 --kernel-adapters 1,16 \
         --kernel-rows 1,64,256 --backends chunked --kernel-reps 15 --output-json "$DATA/bench-lora-kernels-ranks.json"
     step bench-lora-step .gpu/bin/quiver bench lora --device cuda --dtype bf16 --part step --model "$DATA/models/llama8b" --ranks 16 \
-        --adapters 1,16 --rows 1,16,64,256 --backends auto --steps 15 --output-json "$DATA/bench-lora-step.json"
+        --adapters 1,16 --rows 1,16,64,256 --prefill 2048 --backends auto --steps 15 --output-json "$DATA/bench-lora-step.json"
     grep -hE "^(decode|prefill|rank|device|CUDA graphs)" "$LOGS/bench-lora-kernels.log" "$LOGS/bench-lora-kernels-ranks.log"
     grep -hE "^(auto|CUDA graphs)" "$LOGS/bench-lora-step.log"
 fi

@@ -27,7 +27,7 @@ grep -hE "^(chunked|decode|prefill|rank|device)" "$LOGS/bench-lora-kernels.log" 
 if [ "${GPU_LORA_STEP:-1}" = 1 ]; then
     [ -f "$DATA/models/llama8b/config.json" ] || step models python3 scripts/gpu_models.py models "$DATA" .gpu/tok llama8b
     step bench-lora-step .gpu/bin/quiver bench lora --device cuda --dtype bf16 --part step --model "$DATA/models/llama8b" --ranks 16 \
-        --adapters 1,16 --rows 1,16,64,256 --backends auto --steps 15 --output-json "$DATA/bench-lora-step.json"
+        --adapters 1,16 --rows 1,16,64,256 --prefill 2048 --backends auto --steps 15 --output-json "$DATA/bench-lora-step.json"
     grep -hE "^(auto|CUDA graphs)" "$LOGS/bench-lora-step.log"
 fi
 # GPU_LORA_SERVE=1: then the served sweep (scripts/gpu-serve-lora.sh, its SERVE_* settings).

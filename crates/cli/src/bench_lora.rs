@@ -48,6 +48,10 @@ pub struct BenchLoraArgs {
     /// Step part: decode rows in the step.
     #[arg(long, value_delimiter = ',', default_value = "16,64")]
     pub rows: Vec<usize>,
+    /// Step part: prefill steps of this many prompt tokens too (one prompt per adapter, the
+    /// tokens split evenly), e.g. `--prefill 2048`.
+    #[arg(long, value_delimiter = ',')]
+    pub prefill: Vec<usize>,
     /// Step part: distinct adapters among the rows (each value its own runs).
     #[arg(long, value_delimiter = ',', default_value = "4")]
     pub adapters: Vec<usize>,
@@ -92,6 +96,22 @@ fn setup(m: &LlamaModel, n: usize) -> Step {
     for s in 0..n {
         let t: Vec<u32> = ((s * per) as u32..((s + 1) * per) as u32).collect();
         batch.push_seq(&[(77 + 13 * s % 400) as u32], 32, &t, LogitsFor::Last);
+    }
+    Step { kv, ws, batch }
+}
+
+/// A prefill step of `tokens` prompt tokens split over `prompts` prompts from position 0.
+fn setup_prefill(m: &LlamaModel, tokens: usize, prompts: usize) -> Step {
+    let bs = 16;
+    let len = tokens / prompts;
+    let per = len.div_ceil(bs);
+    let kv = m.alloc_kv(per * prompts, bs);
+    let ws = m.new_workspace(tokens, prompts);
+    let mut batch = ForwardBatch::with_capacity(tokens, prompts, per);
+    for s in 0..prompts {
+        let prompt: Vec<u32> = (0..len).map(|i| ((i * 17 + s * 29) % 500 + 50) as u32).collect();
+        let t: Vec<u32> = ((s * per) as u32..((s + 1) * per) as u32).collect();
+        batch.push_seq(&prompt, 0, &t, LogitsFor::Last);
     }
     Step { kv, ws, batch }
 }
@@ -168,7 +188,7 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
                 max_lora_rank: rank,
                 max_loaded_loras: max_ads,
                 backend: backend.clone(),
-                max_batch_tokens: a.rows.iter().copied().max().unwrap_or(1),
+                max_batch_tokens: a.rows.iter().chain(&a.prefill).copied().max().unwrap_or(1),
                 target_modules: modules.clone(),
                 ..Default::default()
             };
@@ -178,9 +198,12 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
                 keys.push(mgr.install_adapter(&ad.name, ad.clone(), false)?);
             }
             for &ads in &a.adapters {
-                for &n in &a.rows {
-                    let mut st = setup(m, n);
-                    let seq: Vec<Option<AdapterKey>> = (0..n).map(|i| Some(keys[i % ads])).collect();
+                // Decode steps of n rows, then prefill steps of n tokens (printed as "<n>p").
+                let steps = a.rows.iter().map(|&n| (n, false)).chain(a.prefill.iter().map(|&n| (n, true)));
+                for (n, prefill) in steps {
+                    let mut st = if prefill { setup_prefill(m, n, ads) } else { setup(m, n) };
+                    let seqs = st.batch.seq_starts.len() - 1;
+                    let seq: Vec<Option<AdapterKey>> = (0..seqs).map(|i| Some(keys[i % ads])).collect();
                     let (starts, rows) = (st.batch.seq_starts.clone(), st.batch.logits_rows.clone());
                     let hook = mgr.prepare_batch(&seq, &starts, &rows)?;
                     // Base and LoRA steps alternate, and the cost is the median of the per-pair
@@ -197,7 +220,8 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
                         ratio.push(l / b);
                     }
                     let (b, l, r) = (median(base), median(lora), median(ratio));
-                    print!("{:<10} {:>5} {:>4} {:>5} {:>10.2} {:>10.2} {:>+7.1}%", backend, rank, ads, n, b, l, (r - 1.0) * 100.0);
+                    let label = if prefill { format!("{n}p") } else { n.to_string() };
+                    print!("{:<10} {:>5} {:>4} {:>5} {:>10.2} {:>10.2} {:>+7.1}%", backend, rank, ads, label, b, l, (r - 1.0) * 100.0);
                     if let Some(c) = &ceilings {
                         // Each distinct adapter of the step is read once: its A and B over the LoRA time.
                         // and every row does one multiply-add per element of its adapter.
@@ -207,7 +231,7 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
                         print!("  adapters {gb:.1} GB/s = {:.2} of copy, {gf:.1} GFLOP/s = {:.3} of GEMM", gb / c.copy_gb_s, gf / c.gemm_gflop_s);
                     }
                     println!();
-                    out.push(serde_json::json!({"backend": backend, "rank": rank, "rows": n, "adapters": ads, "device": a.device.to_string(), "base_ms": b, "lora_ms": l, "cost_pct": (r - 1.0) * 100.0}));
+                    out.push(serde_json::json!({"backend": backend, "rank": rank, "rows": n, "prefill": prefill, "adapters": ads, "device": a.device.to_string(), "base_ms": b, "lora_ms": l, "cost_pct": (r - 1.0) * 100.0}));
                 }
             }
         }

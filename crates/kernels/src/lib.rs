@@ -286,13 +286,18 @@ pub enum Epilogue<'a> {
     RopeQk { positions: &'a [u32], n_heads: usize, n_kv_heads: usize, table: &'a RopeTable },
     /// [`Device::silu_mul`] of the fused `[gate; up]` output into `out`.
     SiluMul { out: &'a mut Tensor },
+    /// None, but the caller adds the output to `resid` next (the residual stream after o_proj
+    /// and down_proj), so a device may add the LoRA delta straight into `resid` instead of the
+    /// output (the same sum up to rounding order): then the delta need not wait for the
+    /// projection (CUDA computes it beside the GEMM).
+    Residual { resid: &'a mut Tensor },
 }
 
 impl Epilogue<'_> {
     /// Applies the epilogue to the projection output `y` (`m` rows, by weight `w`) as its own op.
     pub fn run<D: Device + ?Sized>(self, d: &D, y: &mut Tensor, m: usize, w: &Weight) {
         match self {
-            Epilogue::Plain => {}
+            Epilogue::Plain | Epilogue::Residual { .. } => {}
             Epilogue::RopeQk { positions, n_heads, n_kv_heads, table } => d.rope_qk(y, m, positions, n_heads, n_kv_heads, table),
             Epilogue::SiluMul { out } => d.silu_mul(y, m, w.rows / 2, out),
         }
@@ -303,7 +308,7 @@ impl Epilogue<'_> {
 /// `lora: None` case of [`Device::matmul_lora`], for devices overriding it too).
 pub fn epilogue_after_matmul<D: Device + ?Sized>(d: &D, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor) {
     match epilogue {
-        Epilogue::Plain => d.matmul(x, m, w, bias, y),
+        Epilogue::Plain | Epilogue::Residual { .. } => d.matmul(x, m, w, bias, y),
         Epilogue::RopeQk { positions, n_heads, n_kv_heads, table } => d.matmul_rope_qk(x, m, w, bias, y, positions, n_heads, n_kv_heads, table),
         Epilogue::SiluMul { out } => {
             debug_assert!(bias.is_none(), "a fused gate_up projection has no bias");

@@ -255,6 +255,45 @@ pub fn packed_len(capacity: usize) -> usize {
     1 + 4 * capacity
 }
 
+/// The tiles of packed groups (`capacity` rows) as maximal runs `(first row, rows, slot)` of
+/// contiguous rows of one slot, in tile order, to `f`: a prefill segment per run, for devices
+/// that run a segment's delta as dense GEMMs. False, and nothing passed, unless every tile's
+/// rows are contiguous and every run has at least `min_run` rows.
+pub fn for_contiguous_runs(packed: &[u32], capacity: usize, min_run: usize, mut f: impl FnMut(usize, usize, usize)) -> bool {
+    let cap = capacity;
+    let tiles = packed[0] as usize;
+    let (perm, starts, lens, slots) = (&packed[1..1 + cap], &packed[1 + cap..1 + 2 * cap], &packed[1 + 2 * cap..1 + 3 * cap], &packed[1 + 3 * cap..1 + 4 * cap]);
+    let walk = |f: &mut dyn FnMut(usize, usize, usize)| -> bool {
+        let mut run: Option<(usize, usize, usize)> = None;
+        for i in 0..tiles {
+            let (p0, n, slot) = (starts[i] as usize, lens[i] as usize, slots[i] as usize);
+            let r0 = perm[p0] as usize;
+            if (0..n).any(|j| perm[p0 + j] as usize != r0 + j) {
+                return false;
+            }
+            run = match run {
+                Some((a, len, s)) if s == slot && a + len == r0 => Some((a, len + n, s)),
+                Some(done) if done.1 < min_run => return false,
+                Some(done) => {
+                    f(done.0, done.1, done.2);
+                    Some((r0, n, slot))
+                }
+                None => Some((r0, n, slot)),
+            };
+        }
+        match run {
+            Some(done) if done.1 < min_run => false,
+            Some(done) => {
+                f(done.0, done.1, done.2);
+                true
+            }
+            None => true,
+        }
+    };
+    // Checked first, so `f` sees the runs only when all of them qualify.
+    walk(&mut |_, _, _| {}) && walk(&mut f)
+}
+
 /// Writes `groups` (host slices) into `out` in the device layout, cut into tiles of at most
 /// `tile_rows` rows, for a grouping of `capacity` rows (`capacity ≥ rows`; every tile has at
 /// least one row, so there are at most `capacity` tiles):
@@ -335,5 +374,26 @@ mod tests {
         assert_eq!(&out[10..12], &[0, 3]);
         assert_eq!(&out[19..21], &[3, 1]);
         assert_eq!(&out[28..30], &[1, 0]);
+    }
+
+    #[test]
+    fn contiguous_runs_merge_a_segments_tiles_and_refuse_short_or_permuted_rows() {
+        let runs = |g: &LoraGroups<'_>, min_run: usize| {
+            let mut packed = Vec::new();
+            pack_tiles(g, 64, g.rows, &mut packed);
+            let mut v = Vec::new();
+            for_contiguous_runs(&packed, g.rows, min_run, |a, n, s| v.push((a, n, s))).then_some(v)
+        };
+        // Two prompts of 320 rows (five 64-row tiles each) around 10 base rows.
+        let g = LoraGroups { rows: 650, adapter_rows: 640, group_rows: GroupRows::Contiguous, start: &[0, 330], end: &[320, 650], slot: &[0, 1], packed: &[] };
+        assert_eq!(runs(&g, 256), Some(vec![(0, 320, 0), (330, 320, 1)]));
+        assert_eq!(runs(&g, 321), None);
+        // Adjacent prompts of one adapter are one run.
+        let g = LoraGroups { rows: 600, adapter_rows: 600, group_rows: GroupRows::Contiguous, start: &[0, 300], end: &[300, 600], slot: &[1, 1], packed: &[] };
+        assert_eq!(runs(&g, 256), Some(vec![(0, 600, 1)]));
+        // Decode rows grouped by adapter through a permutation are not contiguous.
+        let perm: Vec<u32> = (0..300).map(|i| (i * 7) % 300).collect();
+        let g = LoraGroups { rows: 300, adapter_rows: 300, group_rows: GroupRows::Permuted(&perm), start: &[0], end: &[300], slot: &[0], packed: &[] };
+        assert_eq!(runs(&g, 1), None);
     }
 }

@@ -28,8 +28,8 @@ fn cuda_slot_reuse_by_smaller_rank_leaks_nothing() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
-fn cuda_one_row_projections_fold_the_delta_like_the_cpu() {
-    device_lora::one_row_projections_match_cpu(cuda());
+fn cuda_projections_fold_the_delta_like_the_cpu() {
+    device_lora::projections_with_epilogues_match_cpu(cuda());
 }
 
 #[test]

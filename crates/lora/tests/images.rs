@@ -27,8 +27,8 @@ fn image_path_slot_reuse_by_smaller_rank_leaks_nothing() {
 }
 
 #[test]
-fn image_path_one_row_projections_match_cpu() {
-    device_lora::one_row_projections_match_cpu(imaging());
+fn image_path_projections_with_epilogues_match_cpu() {
+    device_lora::projections_with_epilogues_match_cpu(imaging());
 }
 
 /// Every slot's bytes and the rank / scaling tables of two pools.

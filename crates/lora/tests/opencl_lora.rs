@@ -42,8 +42,8 @@ fn opencl_shape_keyed_steps_follow_the_adapter_mix() {
 }
 
 #[test]
-fn opencl_one_row_projections_match_cpu() {
+fn opencl_projections_with_epilogues_match_cpu() {
     for (dev, _) in devices() {
-        device_lora::one_row_projections_match_cpu(dev);
+        device_lora::projections_with_epilogues_match_cpu(dev);
     }
 }

@@ -261,7 +261,7 @@ impl LlamaModel {
                     d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
                 }
                 d.paged_attention(&ws.qkv, &attn_batch, kv, li, c.num_heads, scale, &mut ws.attn);
-                lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, None, Epilogue::Plain, &mut ws.delta);
+                lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, None, Epilogue::Residual { resid: &mut ws.x }, &mut ws.delta);
                 d.add_rms_norm(&mut ws.x, &ws.delta, &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
                 let (gate_up, down) = match &l.mlp {
                     Mlp::Dense { gate_up, down } => (gate_up, down),
@@ -274,7 +274,7 @@ impl LlamaModel {
                     }
                 };
                 lora.project(d, li, LinearSite::GateUp, &ws.xn, m, gate_up, None, Epilogue::SiluMul { out: &mut ws.act }, &mut ws.gate_up);
-                lora.project(d, li, LinearSite::Down, &ws.act, m, down, None, Epilogue::Plain, &mut ws.delta);
+                lora.project(d, li, LinearSite::Down, &ws.act, m, down, None, Epilogue::Residual { resid: &mut ws.x }, &mut ws.delta);
             }
             d.add_inplace(&mut ws.x, &ws.delta, m * h);
             if nl == 0 {

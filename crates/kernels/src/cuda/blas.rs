@@ -34,42 +34,65 @@ impl Blas {
         Ok(Blas { handle })
     }
 
-    /// `y[m, n] (+)= x[m, k] · W[n, k]ᵀ` with row-major x, W, y (`accumulate` adds into y): in
-    /// cuBLAS's column-major terms `yᵀ (n×m) = W (k×n)ᵀ · xᵀ (k×m)`, i.e. op(A) = T on W and
-    /// op(B) = N on x.
+    /// `y[m, n] (+)= x[m, k] · W[n, k]ᵀ` with row-major x, W, y (`accumulate` adds into y).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_xwt(&self, op: Operand, m: usize, n: usize, k: usize, w: u64, x: u64, y: u64, accumulate: bool) -> Result<()> {
         let t = match op {
             Operand::Bf16 => cs::cudaDataType::CUDA_R_16BF,
             Operand::F32 => cs::cudaDataType::CUDA_R_32F,
         };
-        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        // SAFETY: w holds n·k, x m·k elements of type t, y m·n f32; all device pointers are live.
+        self.gemm(t, m, n, k, Mat { ptr: w, ld: k }, true, Mat { ptr: x, ld: k }, y, n, 1.0, if accumulate { 1.0 } else { 0.0 })
+            .map_err(|e| anyhow::anyhow!("cublasGemmEx (m={m}, n={n}, k={k}, {op:?}): {e:?}"))
+    }
+
+    /// `y[m, n] = alpha · x[m, k] · Wᵀ + beta · y` over strided row-major views: x (bf16, row
+    /// stride `x.ld`), y (f32, row stride `y_ld`), and W as `[n, k]` rows of stride `w.ld` when
+    /// `w_rows`, else stored transposed (`Wᵀ` as `[k, n]` rows of stride `w.ld`). Sub-matrices
+    /// (a slice's columns, a segment's rows) are pointer offsets.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_strided(&self, m: usize, n: usize, k: usize, w: Mat, w_rows: bool, x: Mat, y: u64, y_ld: usize, alpha: f32, beta: f32) -> Result<()> {
+        self.gemm(cs::cudaDataType::CUDA_R_16BF, m, n, k, w, w_rows, x, y, y_ld, alpha, beta)
+            .map_err(|e| anyhow::anyhow!("cublasGemmEx (m={m}, n={n}, k={k}, strided): {e:?}"))
+    }
+
+    /// In cuBLAS's column-major terms `yᵀ (n×m) = op(W) · xᵀ (k×m)`: op = T on W's rows, N on
+    /// its stored transpose.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(&self, t: cs::cudaDataType, m: usize, n: usize, k: usize, w: Mat, w_rows: bool, x: Mat, y: u64, y_ld: usize, alpha: f32, beta: f32) -> Result<(), cublas::CublasError> {
+        let op = if w_rows { cs::cublasOperation_t::CUBLAS_OP_T } else { cs::cublasOperation_t::CUBLAS_OP_N };
+        // SAFETY: the caller's views lie inside live device allocations of elements of type t
+        // (W, x) and f32 (y).
         unsafe {
             cublas::gemm_ex(
                 self.handle,
-                cs::cublasOperation_t::CUBLAS_OP_T,
+                op,
                 cs::cublasOperation_t::CUBLAS_OP_N,
                 n as i32,
                 m as i32,
                 k as i32,
                 &alpha as *const f32 as *const c_void,
-                w as *const c_void,
+                w.ptr as *const c_void,
                 t,
-                k as i32,
-                x as *const c_void,
+                w.ld as i32,
+                x.ptr as *const c_void,
                 t,
-                k as i32,
+                x.ld as i32,
                 &beta as *const f32 as *const c_void,
                 y as *mut c_void,
                 cs::cudaDataType::CUDA_R_32F,
-                n as i32,
+                y_ld as i32,
                 cs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| anyhow::anyhow!("cublasGemmEx (m={m}, n={n}, k={k}, {op:?}): {e:?}"))
     }
+}
+
+/// One operand of [`Blas::gemm_strided`]: a matrix at `ptr` with leading dimension `ld`.
+#[derive(Clone, Copy)]
+pub struct Mat {
+    pub ptr: u64,
+    pub ld: usize,
 }
 
 impl Drop for Blas {

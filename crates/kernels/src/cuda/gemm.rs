@@ -1,7 +1,7 @@
 //! Weight GEMMs: our single-row GEMV (W streamed through cp.async, epilogues fused) and cuBLAS
 //! for more rows, with the bf16 input shadow that saves a conversion pass.
 
-use super::lora::LoraLaunch;
+use super::lora::{GemvLoraArgs, DELTA_BESIDE_MAX_ROWS};
 use super::*;
 
 /// Which cuBLAS bf16 GEMMs take their f32 input as a bf16 hi + lo pair (two GEMMs, the second
@@ -25,6 +25,10 @@ pub(super) const SPLIT_MAX_WEIGHT_BYTES: usize = 16 << 20;
 /// passes of the warp at 64).
 pub(super) const GEMV_LORA_MAX_RANK: usize = 64;
 
+/// Blocks per SM per round of the single-row GEMV with LoRA (see `gemv1_lora_grid`): what fits
+/// at once (88 registers and 32 KiB of shared memory a block).
+const GEMV_LORA_BLOCKS_PER_SM: usize = 5;
+
 /// What a single-row GEMV does with its output (`GV_PLAIN`, `GV_SILU`, `GV_ROPE` in kernels.cu).
 pub(super) enum Gemv1Epilogue<'a> {
     Plain,
@@ -41,9 +45,29 @@ impl CudaDevice {
         self.gemv1_with(w, x, bias, y, epilogue, None)
     }
 
-    /// [`Self::gemv1`], adding the delta of the LoRA shrink `lora` (launched just before) to
-    /// each output before the epilogue (kernels.cu: `GemvLora`).
-    fn gemv1_with(&self, w: &Weight, x: &Tensor, bias: Option<&Tensor>, y: &mut Tensor, epilogue: Gemv1Epilogue<'_>, lora: Option<&LoraLaunch>) {
+    /// Blocks of a single-row GEMV computing a LoRA delta over `w` with `epilogue`.
+    pub(super) fn gemv1_lora_blocks(&self, w: &Weight, epilogue: &Epilogue<'_>) -> usize {
+        let warps = match epilogue {
+            Epilogue::Plain | Epilogue::Residual { .. } => w.rows.div_ceil(2),
+            _ => w.rows / 2,
+        };
+        self.gemv1_lora_grid(warps.div_ceil(GEMV1_WARPS_PER_BLOCK))
+    }
+
+    /// The grid for `blocks` blocks' worth of output pairs of the single-row GEMV with LoRA:
+    /// whole rounds of at most GEMV_LORA_BLOCKS_PER_SM blocks per SM, every warp looping over
+    /// the same number of pairs (an uneven last round would cost a whole round). An 8B step's
+    /// projections come out at 1 (o, down), 2 (qkv) and 6 (gate_up) pairs per warp: a block's
+    /// LoRA work (its ticket, waiting for t, leaving) is shared by the pairs of its warps, and
+    /// as many warps as the plain GEMV keep W in flight.
+    fn gemv1_lora_grid(&self, blocks: usize) -> usize {
+        let rounds = blocks.div_ceil(GEMV_LORA_BLOCKS_PER_SM * self.sms).max(1);
+        blocks.div_ceil(rounds)
+    }
+
+    /// [`Self::gemv1`], computing the LoRA delta `lora` itself (shrink and expand) and adding it
+    /// to each output before the epilogue (kernels.cu: `GemvLora`).
+    fn gemv1_with(&self, w: &Weight, x: &Tensor, bias: Option<&Tensor>, y: &mut Tensor, epilogue: Gemv1Epilogue<'_>, lora: Option<&GemvLoraArgs>) {
         let WeightData::Cuda(wb, DType::Bf16) = &w.data else { panic!("gemv1 takes a bf16 device weight") };
         let (n, k) = (w.rows, w.cols);
         debug_assert!(k.is_multiple_of(8));
@@ -56,23 +80,27 @@ impl CudaDevice {
                 (pick(self.k.gemv1_rope_bf16, self.k.gemv1_lora_rope_bf16), n / 2, heads_qk, table.head_dim, table.max_pos, pos, buf(&table.cos), buf(&table.sin))
             }
         };
-        let blocks = warps.div_ceil(GEMV1_WARPS_PER_BLOCK);
+        let mut blocks = warps.div_ceil(GEMV1_WARPS_PER_BLOCK);
+        if lora.is_some() {
+            blocks = self.gemv1_lora_grid(blocks);
+        }
         let (grid, block) = ((blocks as u32, 1, 1), (32 * GEMV1_WARPS_PER_BLOCK as u32, 1, 1));
         let (xp, bp, yp) = (buf(x), bias.map(buf).unwrap_or(0), buf(y));
         match lora {
             None => launch!(self, f, grid, block; xp, wb.ptr, bp, yp, n as i32, k as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin),
             Some(l) => {
-                let sh = l.shape;
+                let (s, sh) = (&l.site, &l.site.shape);
                 launch!(self, f, grid, block; xp, wb.ptr, bp, yp, n as i32, k as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin,
-                    l.t, l.b, l.gp, l.ranks, l.scal, l.cap as i32, sh.n_slices as i32, sh.max_rank as i32, sh.b_ld as i32, l.off(1) as i32, l.off(2) as i32)
+                    l.t, s.a, s.b, s.gp, s.ranks, s.scal, l.ctr, s.cap as i32, sh.n_slices as i32, sh.max_rank as i32, sh.b_ld as i32,
+                    s.off(1) as i32, s.off(2) as i32, l.gy as i32, l.splits as i32, l.kc as i32)
             }
         }
     }
 
     /// `Device::matmul_lora`: at one row (a bf16 weight the single-row GEMV takes, a delta of
-    /// one row and at most [`GEMV_LORA_MAX_RANK`]) the shrink, then the GEMV adding the delta
-    /// with its epilogue still fused: two launches for the site instead of four (GEMV, shrink,
-    /// expand, epilogue). Otherwise the ops one after another.
+    /// one row and at most [`GEMV_LORA_MAX_RANK`]) one GEMV that computes the delta too, its
+    /// epilogue still fused: one launch for the site instead of four (GEMV, shrink, expand,
+    /// epilogue). Otherwise the shrink beside the GEMM, then the expand and the epilogue.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_lora_impl(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, lora: Option<&LoraCall<'_>>, epilogue: Epilogue<'_>, y: &mut Tensor) {
         let Some(call) = lora else { return crate::epilogue_after_matmul(self, x, m, w, bias, epilogue, y) };
@@ -82,25 +110,78 @@ impl CudaDevice {
             && sh.out_dim() == w.rows
             && sh.max_rank <= GEMV_LORA_MAX_RANK
             && !matches!(epilogue, Epilogue::RopeQk { table, .. } if table.rotary_dim != table.head_dim);
-        if !fold {
-            // The shrink beside the GEMM (both read only x), the expand after both.
-            let shrink = self.lora_shrink_launch(call, LoraX::Dense(x), true);
-            self.matmul_impl(x, m, w, bias, y);
-            if let Some(l) = shrink {
-                self.lora_expand_launch(&l, y);
-            }
-            return epilogue.run(self, y, m, w);
-        }
+        let fused = if fold { self.lora_gemv_args(call, self.gemv1_lora_blocks(w, &epilogue)) } else { None };
+        let Some(fused) = fused else { return self.matmul_lora_rows(x, m, w, bias, call, epilogue, y) };
         self.bind();
-        let shrink = self.lora_shrink_launch(call, LoraX::Dense(x), false);
+        let shrink = fused.as_ref();
         match epilogue {
-            Epilogue::Plain => self.gemv1_with(w, x, bias, y, Gemv1Epilogue::Plain, shrink.as_ref()),
+            Epilogue::Plain | Epilogue::Residual { .. } => self.gemv1_with(w, x, bias, y, Gemv1Epilogue::Plain, shrink),
             Epilogue::RopeQk { positions, n_heads, n_kv_heads, table } => {
-                self.gemv1_with(w, x, bias, y, Gemv1Epilogue::Rope { positions, heads_qk: n_heads + n_kv_heads, table }, shrink.as_ref())
+                self.gemv1_with(w, x, bias, y, Gemv1Epilogue::Rope { positions, heads_qk: n_heads + n_kv_heads, table }, shrink)
             }
-            Epilogue::SiluMul { out } => self.gemv1_with(w, x, None, out, Gemv1Epilogue::SiluMul, shrink.as_ref()),
+            Epilogue::SiluMul { out } => self.gemv1_with(w, x, None, out, Gemv1Epilogue::SiluMul, shrink),
         }
         self.mark("matmul gemv + lora");
+    }
+
+    /// `Device::matmul_lora` over more rows (or weights the single-row GEMV does not take).
+    /// With a side stream and at most [`DELTA_BESIDE_MAX_ROWS`] rows the whole delta runs
+    /// beside the GEMM (shrink and expand both need only x): into the residual for
+    /// `Epilogue::Residual`, or into a zeroed delta buffer that the fused RoPE / SiLU·mul adds;
+    /// so the step's critical path carries no LoRA kernel at all. Otherwise the shrink runs
+    /// beside the GEMM and the expand adds into its output after it.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_lora_rows(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, call: &LoraCall<'_>, epilogue: Epilogue<'_>, y: &mut Tensor) {
+        let recording = self.recording.load(std::sync::atomic::Ordering::Relaxed);
+        if !recording && call.groups.adapter_rows == 0 {
+            return crate::epilogue_after_matmul(self, x, m, w, bias, epilogue, y);
+        }
+        if self.lora_gemm_fits(call, m, w) {
+            self.matmul_impl(x, m, w, bias, y);
+            self.lora_gemm_delta(call, m, y);
+            return epilogue.run(self, y, m, w);
+        }
+        let out = call.shape().out_dim();
+        let beside_all = self.lora_side.is_some() && call.groups.rows <= DELTA_BESIDE_MAX_ROWS && out == w.rows;
+        match epilogue {
+            Epilogue::Residual { resid } if beside_all => {
+                let target = buf(resid);
+                self.beside(|| {
+                    if let Some(l) = self.lora_shrink_launch(call, LoraX::Dense(x)) {
+                        self.lora_expand_launch(&l, target);
+                    }
+                });
+                self.matmul_impl(x, m, w, bias, y);
+                self.join_side();
+            }
+            Epilogue::RopeQk { .. } | Epilogue::SiluMul { .. } if beside_all => {
+                let (delta, _) = self.beside(|| {
+                    let d = self.lora_delta_zeroed(m, out);
+                    if let Some(l) = self.lora_shrink_launch(call, LoraX::Dense(x)) {
+                        self.lora_expand_launch(&l, d);
+                    }
+                    d
+                });
+                self.matmul_impl(x, m, w, bias, y);
+                self.join_side();
+                match epilogue {
+                    Epilogue::RopeQk { positions, n_heads, n_kv_heads, table } => self.rope_qk_plus(y, delta, m, positions, n_heads, n_kv_heads, table),
+                    Epilogue::SiluMul { out } => self.silu_mul_plus(y, delta, m, w.rows / 2, out),
+                    _ => unreachable!(),
+                }
+            }
+            _ => {
+                let (shrink, beside) = self.beside(|| self.lora_shrink_launch(call, LoraX::Dense(x)));
+                self.matmul_impl(x, m, w, bias, y);
+                if let Some(l) = shrink {
+                    if beside {
+                        self.join_side();
+                    }
+                    self.lora_expand_launch(&l, buf(y));
+                }
+                epilogue.run(self, y, m, w);
+            }
+        }
     }
 
     /// Whether a fused single-row GEMV applies: one row, a bf16 weight, `k % 8 == 0`.
@@ -212,4 +293,34 @@ impl CudaDevice {
         self.mark("matmul gemv + rope");
     }
 
+    /// `Device::rope_qk`, first adding `delta` (a `rows × width` buffer, 0 for none) to every
+    /// column: a LoRA delta computed beside the projection.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rope_qk_plus(&self, qkv: &mut Tensor, delta: u64, rows: usize, positions: &[u32], n_heads: usize, n_kv_heads: usize, t: &RopeTable) {
+        self.bind();
+        if rows == 0 {
+            return;
+        }
+        assert_eq!(t.rotary_dim, t.head_dim, "partial rotary dims are not supported on CUDA");
+        let width = (n_heads + 2 * n_kv_heads) * t.head_dim;
+        let mut st = self.state.lock().unwrap();
+        let pp = self.meta_ptr(&mut st, &positions[..rows]);
+        launch!(self, self.k.rope_qk, (rows as u32, 1, 1), row_threads((n_heads + n_kv_heads) * t.rotary_dim / 2);
+            buf(qkv), delta, pp, buf(&t.cos), buf(&t.sin), (n_heads + n_kv_heads) as i32, t.head_dim as i32, (t.rotary_dim / 2) as i32, width as i32, t.max_pos as i32);
+        self.mark("rope");
+    }
+
+    /// `Device::silu_mul`, first adding `delta` (`rows × 2·inter`, 0 for none) to gate and up.
+    pub(super) fn silu_mul_plus(&self, gate_up: &Tensor, delta: u64, rows: usize, inter: usize, out: &mut Tensor) {
+        self.bind();
+        if rows == 0 {
+            return;
+        }
+        let mut st = self.state.lock().unwrap();
+        let ob = self.shadow_for(&mut st, rows, inter);
+        let items = if inter.is_multiple_of(4) { rows * inter / 4 } else { rows * inter };
+        launch!(self, self.k.silu_mul, grid1(items, 256), (256, 1, 1); buf(gate_up), delta, buf(out), ob, inter as i32, (rows * inter) as i64);
+        self.set_shadow(&mut st, ob, buf(out), rows * inter);
+        self.mark("silu_mul");
+    }
 }

@@ -14,6 +14,7 @@ impl CudaDevice {
         let ctx = CudaContext::new(ordinal).with_context(|| format!("creating a CUDA context on device {ordinal}"))?;
         let (maj, min) = ctx.compute_capability()?;
         let name = format!("cuda:{ordinal} ({}, sm_{maj}{min})", ctx.name().unwrap_or_default());
+        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).context("reading the SM count")?.max(1) as usize;
         if maj < 8 {
             // bf16 tensor-core MMAs, cp.async and bf16x2 conversions in kernels.cu are sm_80+.
             bail!("{name}: Quiver's CUDA kernels need compute capability 8.0 (Ampere) or newer");
@@ -33,6 +34,8 @@ impl CudaDevice {
             staged: [StagedSlice::default(); 6 + MAX_EXTRA],
             lora_t: DevBuf::zeroed(&ctx, 0)?,
             lora_counters: DevBuf::zeroed(&ctx, 0)?,
+            lora_delta: DevBuf::zeroed(&ctx, 0)?,
+            gemv_lora_ctr: DevBuf::zeroed(&ctx, 16)?,
             row_seq: None,
             tiles: (0, 0),
             side: DevBuf::zeroed(&ctx, 0)?,
@@ -58,6 +61,7 @@ impl CudaDevice {
         let profiler_on = profiler.is_some();
         Ok(CudaDevice {
             ordinal,
+            sms,
             ctx,
             stream,
             copy,

@@ -177,8 +177,9 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ resid, const float* 
 }
 
 // Rotate-half RoPE on the q and k heads of each fused qkv row. One block per row; threads
-// walk (head, pair) indices.
-extern "C" __global__ void rope_qk(float* __restrict__ qkv, const u32* __restrict__ positions, const float* __restrict__ cos_t,
+// walk (head, pair) indices. With `delta` (a LoRA delta computed beside the projection, same
+// layout, or null) every column first gets its delta, v columns included.
+extern "C" __global__ void rope_qk(float* __restrict__ qkv, const float* __restrict__ delta, const u32* __restrict__ positions, const float* __restrict__ cos_t,
                                    const float* __restrict__ sin_t, int heads_qk, int head_dim, int half, int width, int max_pos) {
     pdl_entry();
     int r = blockIdx.x;
@@ -186,28 +187,38 @@ extern "C" __global__ void rope_qk(float* __restrict__ qkv, const u32* __restric
     const float* c = cos_t + (size_t)pos * half;
     const float* s = sin_t + (size_t)pos * half;
     float* row = qkv + (size_t)r * width;
+    const float* dr = delta ? delta + (size_t)r * width : nullptr;
     for (int t = threadIdx.x; t < heads_qk * half; t += blockDim.x) {
         int h = t / half, i = t - h * half;
         float* p = row + h * head_dim;
         float x0 = p[i], x1 = p[i + half];
+        if (dr) x0 += dr[h * head_dim + i], x1 += dr[h * head_dim + i + half];
         p[i] = x0 * c[i] - x1 * s[i];
         p[i + half] = x1 * c[i] + x0 * s[i];
+    }
+    if (dr) {
+        for (int j = heads_qk * head_dim + threadIdx.x; j < width; j += blockDim.x) row[j] += dr[j];
     }
 }
 
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
-// out[r, i] = silu(gu[r, i]) · gu[r, inter + i]; 16-byte accesses when inter % 4 == 0.
-extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ out, bf16_t* __restrict__ outb, int inter, long n) {
+// out[r, i] = silu(gu[r, i]) · gu[r, inter + i]; 16-byte accesses when inter % 4 == 0. With
+// `delta` (a LoRA delta of gu computed beside the projection, or null) gate and up get theirs
+// first.
+__device__ __forceinline__ float4 add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
+extern "C" __global__ void silu_mul(const float* __restrict__ gu, const float* __restrict__ delta, float* __restrict__ out, bf16_t* __restrict__ outb, int inter, long n) {
     pdl_entry();
     if ((inter & 3) == 0) {
         const int q = inter / 4;
         const float4* gu4 = reinterpret_cast<const float4*>(gu);
+        const float4* d4 = reinterpret_cast<const float4*>(delta);
         float4* o4 = reinterpret_cast<float4*>(out);
         for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n / 4; idx += (long)gridDim.x * blockDim.x) {
             const long r = idx / q;
             const int i = (int)(idx - r * q);
-            const float4 g = gu4[r * 2 * q + i], u = gu4[r * 2 * q + q + i];
+            float4 g = gu4[r * 2 * q + i], u = gu4[r * 2 * q + q + i];
+            if (d4) g = add4(g, d4[r * 2 * q + i]), u = add4(u, d4[r * 2 * q + q + i]);
             const float4 v = make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
             o4[idx] = v;
             if (outb) store_bf16x4(outb + 4 * idx, v);
@@ -217,7 +228,8 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restr
     for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
         long r = idx / inter;
         int i = (int)(idx - r * inter);
-        const float v = silu_times(gu[r * 2 * inter + i], gu[r * 2 * inter + inter + i]);
+        const size_t gi = r * 2 * inter + i, ui = gi + inter;
+        const float v = silu_times(gu[gi] + (delta ? delta[gi] : 0.f), gu[ui] + (delta ? delta[ui] : 0.f));
         out[idx] = v;
         if (outb) outb[idx] = f2bf(v);
     }
@@ -433,35 +445,100 @@ __device__ __forceinline__ void gemv_rows(const GemvEpilogue& e, int p, int n, i
     r0 = min(r0, n - 1), r1 = min(r1, n - 1); // a dead warp still holds valid addresses
 }
 
-// A LoRA delta folded into the single-row GEMV (`Device::matmul_lora` at one row): the shrink
-// ran just before (t = x·Aᵀ of the row, region 0 of its scratch, through the packed groups G of
-// lora.cu), and each warp adds s_j · Σ_k t[j·r + k] · Bᵀ[slot][k][col] to its two columns
-// before the epilogue, so the site needs no expand kernel and RoPE / SiLU·mul stay fused.
-// Which slot (if any) and its rank are data, read here: a recorded step replays for any adapter.
+// A LoRA delta folded into the single-row GEMV (`Device::matmul_lora` at one row), shrink and
+// expand both, so the site is one launch and the shrink's latency hides behind the weight stream.
+// The shrink t = x·Aᵀ of the row is cut into pieces (gy groups of 8 A rows × `splits` runs of kc
+// inputs). Each block takes a ticket when it starts; the first P = gy·splits tickets each compute
+// one piece (their split partial sums, scratch regions 1..) before streaming their weight rows,
+// and the block that finishes the last piece adds the partials in split order into region 0 and
+// raises the ready flag. Each warp, once its two dot products are done, waits for the flag and
+// adds s_j · Σ_k t[j·r + k] · Bᵀ[slot][k][col] to its columns before the epilogue, so RoPE /
+// SiLU·mul stay fused. Tickets go out in the order blocks start, so every piece belongs to a
+// block already running that waits on nothing before finishing it: no deadlock whatever the
+// grid (the host keeps P ≤ blocks). The last block to leave zeroes the counters for the next
+// launch (a recorded step replays this kernel). The sums do not depend on which block computed
+// which piece. Which slot (if any) and its rank are data: a recorded step replays for any
+// adapter, and a base row skips all of it.
 struct GemvLora {
-    const float* t;
+    float* t;          // scratch: region 0 the final t (n·r), region 1 + z split z's partials (W = n·R)
+    const bf16_t* A;   // (S, n·R, k)
     const bf16_t* B;   // Bᵀ (S, R, b_ld)
-    const u32* G;      // packed groups for C rows
+    const u32* G;      // packed groups of the one row
     const u32* ranks;  // [slot]
     const float* scal; // [slot][3]
-    int C, n_slices, R, b_ld, off1, off2;
+    u32* ctr;          // [ticket, pieces done, t ready, blocks left], zero between launches
+    int C, n_slices, R, b_ld, off1, off2, gy, splits, kc;
 };
+
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The ticket and, for the first P tickets, one piece of the shrink (every thread of the block).
+__device__ __forceinline__ void gemv_lora_piece(const float* __restrict__ x, int k, const GemvLora& L, int slot, int nr) {
+    __shared__ int ticket;
+    __shared__ bool last;
+    if (threadIdx.x == 0) ticket = (int)atomicAdd(L.ctr, 1u);
+    __syncthreads();
+    const int P = L.gy * L.splits, i = ticket;
+    if (i >= P) return;
+    const int W = L.n_slices * L.R, cy = i % L.gy, z = i / L.gy;
+    const int lane = threadIdx.x & 31, c = cy * 8 + (threadIdx.x >> 5) * 2;
+    const int k0 = z * L.kc, k1 = min(k, k0 + L.kc);
+    if (c < nr) {
+        const bool two = c + 1 < nr;
+        const uint4* a0 = reinterpret_cast<const uint4*>(L.A + ((size_t)slot * W + c) * k);
+        const uint4* a1 = reinterpret_cast<const uint4*>(L.A + ((size_t)slot * W + c + (two ? 1 : 0)) * k);
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        float acc0 = 0.f, acc1 = 0.f;
+        for (int kb = (k0 >> 3) + lane; kb < (k1 >> 3); kb += 32) {
+            const uint4 u = __ldg(a0 + kb), v = __ldg(a1 + kb);
+            const float4 xa = __ldg(x4 + 2 * kb), xb = __ldg(x4 + 2 * kb + 1);
+            acc0 = dot8(u, xa, xb, acc0);
+            acc1 = dot8(v, xa, xb, acc1);
+        }
+        acc0 = warp_sum(acc0);
+        acc1 = warp_sum(acc1);
+        if (lane == 0) {
+            L.t[(size_t)(1 + z) * W + c] = acc0;
+            if (two) L.t[(size_t)(1 + z) * W + c + 1] = acc1;
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(L.ctr + 1, 1u) == (u32)P - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < nr; e += blockDim.x) {
+        float v = 0.f;
+        for (int zz = 0; zz < L.splits; ++zz) v += __ldcg(L.t + (size_t)(1 + zz) * W + e);
+        L.t[e] = v;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicExch(L.ctr + 2, 1u);
+}
 
 template <int MODE, bool LORA>
 __device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias,
                                            float* __restrict__ y, int n, int k, const GemvEpilogue& e, const GemvLora& L) {
     __shared__ uint4 ring[GV_WARPS][GV_STAGES][GV_ROWS][GV_U][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int p = blockIdx.x * GV_WARPS + warp;
+    // Without LoRA a warp computes one pair of outputs. With it the grid is at most what fits
+    // on the GPU at once (lora.rs) and each warp loops over pairs, so the LoRA work each block
+    // does once (its ticket, waiting for t, leaving) is paid once per block, not once per
+    // 64 KiB of weights: with a block per pair it cost ~25% of the weight stream's rate.
+    int p = blockIdx.x * GV_WARPS + warp;
     int rows[GV_ROWS];
     bool live;
     gemv_rows<MODE>(e, p, n, rows[0], rows[1], live);
-    if (!live) return;
+    if (!LORA && !live) return;
     const int k8 = k >> 3;
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const uint4* wr[GV_ROWS];
-#pragma unroll
-    for (int r = 0; r < GV_ROWS; r++) wr[r] = reinterpret_cast<const uint4*>(w + (size_t)rows[r] * k);
     const int per = 32 * GV_U; // 16-byte chunks of a row per stage
     const int stages = k8 / per;
     auto issue = [&](int s) {
@@ -473,64 +550,112 @@ __device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf
         }
         cp_async_commit(); // empty groups keep the count uniform
     };
-    // W is never written by a kernel: its first stages are requested before waiting for the
-    // kernel that produced x.
+    auto start = [&]() {
 #pragma unroll
-    for (int s = 0; s < GV_STAGES - 1; s++) issue(s);
+        for (int r = 0; r < GV_ROWS; r++) wr[r] = reinterpret_cast<const uint4*>(w + (size_t)rows[r] * k);
+#pragma unroll
+        for (int s = 0; s < GV_STAGES - 1; s++) issue(s);
+    };
+    // W is never written by a kernel: the first pair's first stages are requested before
+    // waiting for the kernel that produced x.
+    if (live) start();
     pdl_entry();
-    float acc[GV_ROWS];
-#pragma unroll
-    for (int r = 0; r < GV_ROWS; r++) acc[r] = 0.f;
-    for (int s = 0; s < stages; s++) {
-        issue(s + GV_STAGES - 1);
-        cp_async_wait<GV_STAGES - 1>();
-#pragma unroll
-        for (int u = 0; u < GV_U; u++) {
-            const int i = s * per + u * 32 + lane;
-            const float4 a = __ldg(x4 + 2 * i), b = __ldg(x4 + 2 * i + 1);
-#pragma unroll
-            for (int r = 0; r < GV_ROWS; r++) acc[r] = dot8(ring[warp][s % GV_STAGES][r][u][lane], a, b, acc[r]);
-        }
+    // LoRA: the row's slot and rank (the same for the whole grid), then this block's ticket.
+    int slot = 0, rk = 0;
+    if (LORA) {
+        if (L.G[0] > 0) slot = L.G[1 + 3 * L.C], rk = L.ranks[slot];
+        if (rk > 0) gemv_lora_piece(x, k, L, slot, L.n_slices * rk);
     }
-    for (int i = stages * per + lane; i < k8; i += 32) {
-        const float4 a = __ldg(x4 + 2 * i), b = __ldg(x4 + 2 * i + 1);
-#pragma unroll
-        for (int r = 0; r < GV_ROWS; r++) acc[r] = dot8(__ldg(wr[r] + i), a, b, acc[r]);
-    }
-    float v[GV_ROWS];
-#pragma unroll
-    for (int r = 0; r < GV_ROWS; r++) v[r] = warp_sum(acc[r]) + (bias ? bias[rows[r]] : 0.f);
-    if (LORA && L.G[0] > 0) {
-        const int p0 = L.G[1 + L.C], slot = L.G[1 + 3 * L.C];
-        const int rk = L.ranks[slot];
-        const float* t = L.t + (size_t)p0 * L.n_slices * L.R;
-        const bf16_t* b = L.B + (size_t)slot * L.R * L.b_ld;
-        float d[GV_ROWS];
-#pragma unroll
-        for (int r = 0; r < GV_ROWS; r++) d[r] = 0.f;
-        for (int kk = lane; kk < rk; kk += 32) {
+    // t of each slice at this lane's rank steps, loaded once the first pair needs it.
+    float tv[3][2];
+    bool have_t = false;
+    while (live) {
+        // The expand's operands that no kernel writes (Bᵀ of this warp's two columns, a rank
+        // step per lane, and their slices' scalings) load now, so only t is left for the tail.
+        float bl[GV_ROWS][2], sc[GV_ROWS];
+        int js[GV_ROWS];
+        if (LORA && rk > 0) {
+            const bf16_t* b = L.B + (size_t)slot * L.R * L.b_ld;
 #pragma unroll
             for (int r = 0; r < GV_ROWS; r++) {
-                const int o = rows[r], j = (o >= L.off1) + (o >= L.off2);
-                d[r] += L.scal[slot * 3 + j] * t[j * rk + kk] * bf2f(b[(size_t)kk * L.b_ld + o]);
+                const int o = rows[r];
+                js[r] = (o >= L.off1) + (o >= L.off2);
+                sc[r] = L.scal[slot * 3 + js[r]];
+#pragma unroll
+                for (int q = 0; q < 2; q++) bl[r][q] = lane + 32 * q < rk ? bf2f(b[(size_t)(lane + 32 * q) * L.b_ld + o]) : 0.f;
             }
         }
+        float acc[GV_ROWS];
 #pragma unroll
-        for (int r = 0; r < GV_ROWS; r++) v[r] += warp_sum(d[r]);
-    }
-    if (lane == 0) {
-        if (MODE == GV_SILU) {
-            y[p] = silu_times(v[0], v[1]);
-        } else if (MODE == GV_ROPE && p < e.heads_qk * (e.head_dim >> 1)) {
-            const int half = e.head_dim >> 1, i = p - (p / half) * half;
-            const int pos = min((int)e.pos[0], e.max_pos - 1);
-            const float c = e.cos_t[(size_t)pos * half + i], sn = e.sin_t[(size_t)pos * half + i];
-            y[rows[0]] = v[0] * c - v[1] * sn;
-            y[rows[1]] = v[1] * c + v[0] * sn;
-        } else {
-            y[rows[0]] = v[0];
-            if (rows[1] > rows[0]) y[rows[1]] = v[1];
+        for (int r = 0; r < GV_ROWS; r++) acc[r] = 0.f;
+        for (int s = 0; s < stages; s++) {
+            issue(s + GV_STAGES - 1);
+            cp_async_wait<GV_STAGES - 1>();
+#pragma unroll
+            for (int u = 0; u < GV_U; u++) {
+                const int i = s * per + u * 32 + lane;
+                const float4 a = __ldg(x4 + 2 * i), b = __ldg(x4 + 2 * i + 1);
+#pragma unroll
+                for (int r = 0; r < GV_ROWS; r++) acc[r] = dot8(ring[warp][s % GV_STAGES][r][u][lane], a, b, acc[r]);
+            }
         }
+        for (int i = stages * per + lane; i < k8; i += 32) {
+            const float4 a = __ldg(x4 + 2 * i), b = __ldg(x4 + 2 * i + 1);
+#pragma unroll
+            for (int r = 0; r < GV_ROWS; r++) acc[r] = dot8(__ldg(wr[r] + i), a, b, acc[r]);
+        }
+        // This pair's outputs; the next pair's first stages are requested before its tail.
+        const int pc = p, r0 = rows[0], r1 = rows[1];
+        if (LORA) {
+            p += gridDim.x * GV_WARPS;
+            gemv_rows<MODE>(e, p, n, rows[0], rows[1], live);
+            if (live) start();
+        } else {
+            live = false;
+        }
+        const int cur[GV_ROWS] = {r0, r1};
+        float v[GV_ROWS];
+#pragma unroll
+        for (int r = 0; r < GV_ROWS; r++) v[r] = warp_sum(acc[r]) + (bias ? bias[cur[r]] : 0.f);
+        if (LORA && rk > 0) {
+            if (!have_t) {
+                // Every lane acquires the flag itself (one coalesced load), so its reads of t
+                // below are ordered after the reducer's writes.
+                while (ld_acquire(L.ctr + 2) == 0u) {
+                }
+#pragma unroll
+                for (int j = 0; j < 3; j++)
+#pragma unroll
+                    for (int q = 0; q < 2; q++) tv[j][q] = j < L.n_slices && lane + 32 * q < rk ? __ldcg(L.t + j * rk + lane + 32 * q) : 0.f;
+                have_t = true;
+            }
+#pragma unroll
+            for (int r = 0; r < GV_ROWS; r++) {
+                float d = 0.f;
+#pragma unroll
+                for (int q = 0; q < 2; q++) d += bl[r][q] * (js[r] == 0 ? tv[0][q] : js[r] == 1 ? tv[1][q] : tv[2][q]);
+                v[r] += sc[r] * warp_sum(d);
+            }
+        }
+        if (lane == 0) {
+            if (MODE == GV_SILU) {
+                y[pc] = silu_times(v[0], v[1]);
+            } else if (MODE == GV_ROPE && pc < e.heads_qk * (e.head_dim >> 1)) {
+                const int half = e.head_dim >> 1, i = pc - (pc / half) * half;
+                const int pos = min((int)e.pos[0], e.max_pos - 1);
+                const float c = e.cos_t[(size_t)pos * half + i], sn = e.sin_t[(size_t)pos * half + i];
+                y[r0] = v[0] * c - v[1] * sn;
+                y[r1] = v[1] * c + v[0] * sn;
+            } else {
+                y[r0] = v[0];
+                if (r1 > r0) y[r1] = v[1];
+            }
+        }
+    }
+    // The last block to leave zeroes the counters for the next launch.
+    if (LORA && rk > 0) {
+        __syncthreads();
+        if (threadIdx.x == 0 && atomicAdd(L.ctr + 3, 1u) == gridDim.x - 1) L.ctr[0] = 0, L.ctr[1] = 0, L.ctr[2] = 0, L.ctr[3] = 0;
     }
 }
 
@@ -552,10 +677,10 @@ GEMV1_KERNEL(gemv1_rope_bf16, GV_ROPE)
         NAME(const float* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias, float* __restrict__ y, int n, int k, \
              int inter_or_heads_qk, int head_dim, int max_pos,                                                                               \
              const u32* __restrict__ pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t,                                  \
-             const float* lt, const bf16_t* lB, const u32* lG, const u32* lranks, const float* lscal,                                        \
-             int lC, int ln_slices, int lR, int lb_ld, int loff1, int loff2) {                                                                \
+             float* lt, const bf16_t* lA, const bf16_t* lB, const u32* lG, const u32* lranks, const float* lscal, u32* lctr,                 \
+             int lC, int ln_slices, int lR, int lb_ld, int loff1, int loff2, int lgy, int lsplits, int lkc) {                                \
         const GemvEpilogue e = {inter_or_heads_qk, inter_or_heads_qk, head_dim, max_pos, pos, cos_t, sin_t};                                 \
-        const GemvLora L = {lt, lB, lG, lranks, lscal, lC, ln_slices, lR, lb_ld, loff1, loff2};                                               \
+        const GemvLora L = {lt, lA, lB, lG, lranks, lscal, lctr, lC, ln_slices, lR, lb_ld, loff1, loff2, lgy, lsplits, lkc};                 \
         gemv1_body<MODE, true>(x, w, bias, y, n, k, e, L);                                                                                    \
     }
 GEMV1_LORA_KERNEL(gemv1_lora_bf16, GV_PLAIN)

@@ -18,7 +18,6 @@
 // expand scales per slice and adds into the base output.
 
 #define LORA_TILE 64   // most rows per tile (lora.rs: TILE_ROWS)
-#define LORA_SUB 16    // expand: rows whose coefficients sit in shared memory at a time
 #define LORA_KC 16     // expand: rank steps of Bᵀ held in registers at a time
 #define LORA_SHRINK_BLOCKS 264 // small shrink: blocks a step aims for (2 of 8 warps per SM)
 
@@ -36,7 +35,7 @@ __device__ __forceinline__ float dot8(const float* a, float4 u, float4 v) {
 }
 
 // Split-k fix-up: called by every thread of a block once it has written its partial sums of
-// rows p0..p0+n, columns [c_lo, c_hi) for split blockIdx.z into region 1 + z of t. The last of the
+// rows p0..p0+n, columns [c_lo, c_hi) for its split z into region 1 + z of t. The last of the
 // `splits` blocks of this (tile, column group) to arrive adds the partials in split order into
 // region 0 (so the sum never depends on which block came last) and resets the counter for the
 // next launch (a recorded step replays this kernel).
@@ -59,38 +58,25 @@ __device__ __forceinline__ void lora_fixup(float* t, u32* counter, int splits, s
 }
 
 // Small shrink (steps of fewer than 64 rows: decode): t[p][c] = x[perm[p]] · A[slot][c] for the
-// rows p of tile blockIdx.x and the A rows c = blockIdx.y·8 + warp < n·r, over the inputs of
-// split blockIdx.z (klen each). grid (tiles, ceil(n·R / 8), splits), 256 threads: a warp holds
+// rows p of one tile and the A rows c = cy·8 + warp < n·r, over the inputs of split z (klen
+// each), one such piece at a time (the kernel below loops over them), 256 threads: a warp holds
 // one A row's 16-byte vectors (8 inputs a lane), and the k-splits spread even one row's A over
 // ~100 blocks, so the adapter streams from every SM instead of a few. Partial sums go through
-// lora_fixup (counters[tile · gridDim.y + blockIdx.y]) when there are several splits.
+// lora_fixup (counters[tile · gy + cy]) when there are several splits.
 #define LSH_ROWS 4 // x rows a warp dots with its A vectors at a time
 #define LSH_KU 4   // 256-input sweeps whose A vectors a lane loads at once
-__device__ __forceinline__ void lora_shrink_tile(int tile, const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
+__device__ __forceinline__ void lora_shrink_tile(int tile, int cy, int z, int gy, int splits, const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
                                                               const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int klen,
                                                               float* __restrict__ t, u32* __restrict__ counters) {
     const u32* perm = G + 1;
     const int p0 = G[1 + C + tile], n = G[1 + 2 * C + tile], slot = G[1 + 3 * C + tile];
     const int nr = n_slices * ranks[slot], W = n_slices * R;
-    const int c0 = blockIdx.y * 8;
+    const int c0 = cy * 8;
     if (n == 0 || c0 >= nr) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // The split adapts to the step's tiles (G[0], the same for every block, so a recorded step
-    // adapts when replayed): just enough splits for ~LORA_SHRINK_BLOCKS blocks, each reading
-    // whole 256-input sweeps; splits past that exit. One adapter's row keeps all 16 splits (its
-    // A streams from ~100 SMs); 16 adapters' rows take 3, so a warp reads 6 vectors a lane
-    // instead of one and the fix-up sums 3 partials, not 16.
-    int splits = gridDim.z;
-    if (splits > 1) {
-        const int groups = (int)G[0] * gridDim.y;
-        splits = min(splits, max(1, (LORA_SHRINK_BLOCKS + groups - 1) / groups));
-        klen = ((in_dim + splits - 1) / splits + 255) / 256 * 256;
-        splits = (in_dim + klen - 1) / klen;
-        if ((int)blockIdx.z >= splits) return;
-    }
     const int c = c0 + warp;
-    const int k0 = blockIdx.z * klen, k1 = min(in_dim, k0 + klen);
-    float* part = splits == 1 ? t : t + (size_t)(1 + blockIdx.z) * C * W;
+    const int k0 = z * klen, k1 = min(in_dim, k0 + klen);
+    float* part = splits == 1 ? t : t + (size_t)(1 + z) * C * W;
     if (c < nr) {
         const bf16_t* a = A + ((size_t)slot * W + c) * in_dim;
         for (int rs = 0; rs < n; rs += LSH_ROWS) {
@@ -142,27 +128,46 @@ __device__ __forceinline__ void lora_shrink_tile(int tile, const float* __restri
             }
         }
     }
-    if (splits > 1) lora_fixup(t, counters + tile * gridDim.y + blockIdx.y, splits, (size_t)C * W, p0, n, c0, min(c0 + 8, nr), W);
+    if (splits > 1) lora_fixup(t, counters + tile * gy + cy, splits, (size_t)C * W, p0, n, c0, min(c0 + 8, nr), W);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) lora_shrink(const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
                                                               const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int klen,
-                                                              float* __restrict__ t, u32* __restrict__ counters) {
+                                                              int gy, int max_splits, float* __restrict__ t, u32* __restrict__ counters) {
     pdl_entry();
-    for (int tile = blockIdx.x; tile < (int)G[0]; tile += gridDim.x) {
-        lora_shrink_tile(tile, x, A, G, C, ranks, n_slices, R, in_dim, klen, t, counters);
+    // The split adapts to the step's tiles (G[0], the same for every block, so a recorded step
+    // adapts when replayed): just enough splits for ~LORA_SHRINK_BLOCKS pieces, each reading
+    // whole 256-input sweeps. One adapter's row keeps all 16 splits (its A streams from ~100
+    // SMs); 16 adapters' rows take 3, so a warp reads 6 vectors a lane instead of one and the
+    // fix-up sums 3 partials, not 16.
+    const int tiles = G[0];
+    int splits = max_splits;
+    if (splits > 1) {
+        const int groups = max(1, tiles * gy);
+        splits = min(splits, max(1, (LORA_SHRINK_BLOCKS + groups - 1) / groups));
+        klen = ((in_dim + splits - 1) / splits + 255) / 256 * 256;
+        splits = (in_dim + klen - 1) / klen;
+    }
+    // Pieces (tile, group of 8 A rows, split), splits of one group on consecutive blocks; the
+    // grid is at most one wave (lora.rs), each block looping over pieces: a grid of every
+    // possible piece of a recorded step was mostly blocks that exit at once, and dispatching
+    // them cost more than the work.
+    const int total = tiles * gy * splits;
+    for (int it = blockIdx.x; it < total; it += gridDim.x) {
+        const int rest = it / splits;
+        lora_shrink_tile(rest / gy, rest % gy, it % splits, gy, splits, x, A, G, C, ranks, n_slices, R, in_dim, klen, t, counters);
     }
 }
 
 // Tensor-core shrink (steps of 64 rows or more; in % 64 == 0): the tile's ≤ 64 rows × 32 A rows
 // per block on mma.sync m16n8k16 (x rounded to bf16 as it is staged, A bf16, f32 accumulators),
-// the inputs [z·klen, (z+1)·klen) of split z = blockIdx.z in stages of 64, so each x row is read
-// once per 32 A rows instead of once per A row. grid (tiles, ceil(n·R / 32), splits), 128
-// threads; partial sums through lora_fixup.
+// the inputs [z·klen, (z+1)·klen) of split z in stages of 64, so each x row is read
+// once per 32 A rows instead of once per A row; pieces (tile, 32 A rows, split), 128 threads;
+// partial sums through lora_fixup.
 #define LSM_BN 32
 #define LSM_KC 64
 #define LSM_LD (LSM_KC + 8) // bf16 row stride: 16 bytes of padding keep ldmatrix conflict-free
-__device__ __forceinline__ void lora_shrink_mma_tile(int tile, const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
+__device__ __forceinline__ void lora_shrink_mma_tile(int tile, int cy, int z, int gy, int splits, const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
                                                                   const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int klen,
                                                                   float* __restrict__ t, u32* __restrict__ counters) {
     __shared__ __align__(16) bf16_t xs[LORA_TILE * LSM_LD];
@@ -170,12 +175,12 @@ __device__ __forceinline__ void lora_shrink_mma_tile(int tile, const float* __re
     const u32* perm = G + 1;
     const int p0 = G[1 + C + tile], n = G[1 + 2 * C + tile], slot = G[1 + 3 * C + tile];
     const int nr = n_slices * ranks[slot], W = n_slices * R;
-    const int c0 = blockIdx.y * LSM_BN;
+    const int c0 = cy * LSM_BN;
     if (n == 0 || c0 >= nr) return;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, splits = gridDim.z;
-    const int k0 = blockIdx.z * klen, k1 = min(in_dim, k0 + klen);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int k0 = z * klen, k1 = min(in_dim, k0 + klen);
     const bf16_t* a0 = A + ((size_t)slot * W + c0) * in_dim;
-    float* part = (splits == 1 ? t : t + (size_t)(1 + blockIdx.z) * C * W) + (size_t)p0 * W;
+    float* part = (splits == 1 ? t : t + (size_t)(1 + z) * C * W) + (size_t)p0 * W;
     if (n <= 4) {
         // A tile of a few rows (decode rows of many adapters): staging 64 rows for the tensor
         // cores would wait on shared memory for one real row. Instead a warp dots its 8 A rows
@@ -215,7 +220,7 @@ __device__ __forceinline__ void lora_shrink_mma_tile(int tile, const float* __re
                 }
             }
         }
-        if (splits > 1) lora_fixup(t, counters + tile * gridDim.y + blockIdx.y, splits, (size_t)C * W, p0, n, c0, min(c0 + LSM_BN, nr), W);
+        if (splits > 1) lora_fixup(t, counters + tile * gy + cy, splits, (size_t)C * W, p0, n, c0, min(c0 + LSM_BN, nr), W);
         return;
     }
     float acc[4][4];
@@ -269,15 +274,20 @@ __device__ __forceinline__ void lora_shrink_mma_tile(int tile, const float* __re
             }
         }
     }
-    if (splits > 1) lora_fixup(t, counters + tile * gridDim.y + blockIdx.y, splits, (size_t)C * W, p0, n, c0, min(c0 + LSM_BN, nr), W);
+    if (splits > 1) lora_fixup(t, counters + tile * gy + cy, splits, (size_t)C * W, p0, n, c0, min(c0 + LSM_BN, nr), W);
 }
 
 extern "C" __global__ void __launch_bounds__(128) lora_shrink_mma(const float* __restrict__ x, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C,
                                                                   const u32* __restrict__ ranks, int n_slices, int R, int in_dim, int klen,
-                                                                  float* __restrict__ t, u32* __restrict__ counters) {
+                                                                  int gy, int splits, float* __restrict__ t, u32* __restrict__ counters) {
     pdl_entry();
-    for (int tile = blockIdx.x; tile < (int)G[0]; tile += gridDim.x) {
-        lora_shrink_mma_tile(tile, x, A, G, C, ranks, n_slices, R, in_dim, klen, t, counters);
+    // Pieces (tile, group of 32 A rows, split) over a grid of at most one wave, as lora_shrink.
+    // The shared staging is reused piece after piece: the barrier at the end of each stage
+    // loop orders the last reads before the next piece's writes.
+    const int total = (int)G[0] * gy * splits;
+    for (int it = blockIdx.x; it < total; it += gridDim.x) {
+        const int rest = it / splits;
+        lora_shrink_mma_tile(rest / gy, rest % gy, it % splits, gy, splits, x, A, G, C, ranks, n_slices, R, in_dim, klen, t, counters);
     }
 }
 
@@ -308,16 +318,15 @@ extern "C" __global__ void lora_shrink_ids(const u32* __restrict__ ids, const bf
 // (boundaries off1, off2; pass out for slices that do not exist), t the shrink's final sums.
 // grid (item blocks, ceil(out / LEX_COLS)), LEX_THREADS threads, for each work item (below):
 // a lane owns 8 consecutive columns (16-byte Bᵀ loads, a warp's y rows 1 KiB contiguous) for
-// each of the item's LEX_ZROWS rows of its tile, two rows at a time, so every warp works even when
+// each of the item's zrows rows of its tile (lora.rs: expand_rows), two rows at a time, so every warp works even when
 // the tile is one decode row (warps split over rows, as before, left 7 of 8 idle there and
 // starved the memory system of loads in flight), and a long tile still spreads over many
-// blocks. The scaled coefficients of the block's rows sit in shared memory (≤ LORA_SUB × n·R
+// blocks. The scaled coefficients of the block's rows sit in shared memory (zrows × n·R
 // floats, dynamic); Bᵀ is held in registers LORA_KC rank steps at a time, loaded once for all
 // of the block's rows when the rank fits one such chunk.
 #define LEX_THREADS 128
 #define LEX_COLS (LEX_THREADS * 8)
-#define LEX_ZROWS 4
-__device__ __forceinline__ void lora_expand_item(int tile, int s0, const float* __restrict__ t, const bf16_t* __restrict__ B, const u32* __restrict__ G, int C,
+__device__ __forceinline__ void lora_expand_item(int tile, int s0, int zrows, const float* __restrict__ t, const bf16_t* __restrict__ B, const u32* __restrict__ G, int C,
                                                                   const u32* __restrict__ ranks, const float* __restrict__ scal, int n_slices, int R, int b_ld,
                                                                   int off1, int off2, int out, float* __restrict__ y) {
     extern __shared__ float coef[];
@@ -341,8 +350,8 @@ __device__ __forceinline__ void lora_expand_item(int tile, int s0, const float* 
         LEX_LOAD_B(0)
     }
     {
-        // This block's rows of the tile: LEX_ZROWS of them from s0.
-        const int ns = min(LEX_ZROWS, n - s0);
+        // This block's rows of the tile: zrows of them from s0.
+        const int ns = min(zrows, n - s0);
         for (int e = threadIdx.x; e < ns * nr; e += blockDim.x) {
             const int i = e / nr, c = e % nr;
             coef[i * W + c] = t[(size_t)(p0 + s0 + i) * W + c] * scal[slot * 3 + c / r];
@@ -406,19 +415,19 @@ __device__ __forceinline__ void lora_expand_item(int tile, int s0, const float* 
 #undef LEX_LOAD_B
 }
 
-// Work items are (tile, LEX_ZROWS rows of it), numbered tile by tile; block x takes items x,
+// Work items are (tile, zrows rows of it), numbered tile by tile; block x takes items x,
 // x + gridDim.x, … A recorded step launches a fixed number of item blocks (lora.rs), not one
 // per possible tile and row group: blocks with nothing to do still cost their dispatch, and
 // 256 possible tiles × 16 row groups × 28 column blocks of empty blocks measured slower than
 // the work itself.
-__device__ __forceinline__ int lora_item_tile(const u32* G, int C, int item, int* s0) {
+__device__ __forceinline__ int lora_item_tile(const u32* G, int C, int item, int zrows, int* s0) {
     // Every warp finds the item's tile itself, 32 tiles a round: item counts of 32 tiles at
     // once, an inclusive scan by shuffles, the first lane whose sum passes the item (a serial
     // walk cost one dependent load per tile, ~3 µs an item over a 2048-row prefill's 32 tiles).
     const int tiles = G[0], lane = threadIdx.x & 31;
     int base = 0;
     for (int t0 = 0; t0 < tiles; t0 += 32) {
-        const int c = t0 + lane < tiles ? ((int)G[1 + 2 * C + t0 + lane] + LEX_ZROWS - 1) / LEX_ZROWS : 0;
+        const int c = t0 + lane < tiles ? ((int)G[1 + 2 * C + t0 + lane] + zrows - 1) / zrows : 0;
         int incl = c;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -428,7 +437,7 @@ __device__ __forceinline__ int lora_item_tile(const u32* G, int C, int item, int
         const int total = __shfl_sync(0xffffffffu, incl, 31);
         if (item < base + total) {
             const int l = __ffs(__ballot_sync(0xffffffffu, item < base + incl)) - 1;
-            *s0 = (item - base - __shfl_sync(0xffffffffu, incl - c, l)) * LEX_ZROWS;
+            *s0 = (item - base - __shfl_sync(0xffffffffu, incl - c, l)) * zrows;
             return t0 + l;
         }
         base += total;
@@ -438,13 +447,13 @@ __device__ __forceinline__ int lora_item_tile(const u32* G, int C, int item, int
 
 extern "C" __global__ void __launch_bounds__(LEX_THREADS) lora_expand(const float* __restrict__ t, const bf16_t* __restrict__ B, const u32* __restrict__ G, int C,
                                                                   const u32* __restrict__ ranks, const float* __restrict__ scal, int n_slices, int R, int b_ld,
-                                                                  int off1, int off2, int out, float* __restrict__ y) {
+                                                                  int off1, int off2, int out, int zrows, float* __restrict__ y) {
     pdl_entry();
     for (int item = blockIdx.x;; item += gridDim.x) {
         int s0 = 0;
-        const int tile = lora_item_tile(G, C, item, &s0);
+        const int tile = lora_item_tile(G, C, item, zrows, &s0);
         if (tile < 0) break;
         __syncthreads(); // the previous item's coefficients are no longer read
-        lora_expand_item(tile, s0, t, B, G, C, ranks, scal, n_slices, R, b_ld, off1, off2, out, y);
+        lora_expand_item(tile, s0, zrows, t, B, G, C, ranks, scal, n_slices, R, b_ld, off1, off2, out, y);
     }
 }

@@ -23,7 +23,8 @@ use crate::lora::{packed_len, LoraCall, LoraSiteShape, LoraStorage, LoraX, MAX_S
 /// Most rows per tile (`LORA_TILE` in lora.cu): a prefill segment's tiles feed the tensor-core
 /// shrink 64 rows at a time; decode chunks are shorter (the chunk size).
 pub(super) const TILE_ROWS: usize = 64;
-/// Rows whose expand coefficients sit in shared memory at a time (`LORA_SUB`).
+/// Rows of expand coefficients the shared memory must hold for any rank the pool allows (the
+/// pool refuses ranks past it; `expand_rows` keeps within `EXPAND_MAX_SMEM`).
 pub(super) const SUB_ROWS: usize = 16;
 /// A rows per block of the small shrink (a warp each).
 const SHRINK_ROWS: usize = 8;
@@ -32,14 +33,33 @@ const SHRINK_ROWS: usize = 8;
 fn counters_len(rows: usize, width: usize) -> usize {
     rows * width.div_ceil(SHRINK_ROWS)
 }
+/// Blocks of the small shrink (`LORA_SHRINK_BLOCKS`: two 256-thread blocks per SM of an H200,
+/// one wave) and of the tensor-core one (three 128-thread blocks of 148 registers per SM).
+const SHRINK_BLOCKS: usize = 264;
+const SHRINK_MMA_BLOCKS: usize = 396;
 /// A rows per block of the tensor-core shrink (`LSM_BN`).
 const SHRINK_MMA_COLS: usize = 32;
 /// The expand's columns per block (`LEX_COLS`: 128 threads × 8) and its threads.
 const EXPAND_COLS_PER_BLOCK: usize = 1024;
 const EXPAND_THREADS: u32 = 128;
-/// Rows of a tile per expand work item (`LEX_ZROWS`): a 64-row tile spreads over 16 blocks per
-/// column range.
+/// Rows of a tile per expand work item in steps of fewer than [`EXPAND_LONG_MIN_ROWS`] rows
+/// (decode: a 64-row tile spreads over 16 blocks per column range), and at most in longer ones
+/// (prefill), whose items share each Bᵀ load and each item's fixed costs (finding its tile,
+/// loading its coefficients) over more rows: with 4-row items a 2048-row segment reloaded Bᵀ
+/// once per 4 rows, as many bytes as the output it updates.
 const EXPAND_ROWS_PER_BLOCK: usize = 4;
+const EXPAND_LONG_ROWS: usize = 32;
+const EXPAND_LONG_MIN_ROWS: usize = 1024;
+
+/// Rows per expand work item for a step of `cap` rows over a site of shrink width `w` (its
+/// coefficients for those rows sit in shared memory).
+fn expand_rows(cap: usize, w: usize) -> usize {
+    if cap < EXPAND_LONG_MIN_ROWS {
+        EXPAND_ROWS_PER_BLOCK
+    } else {
+        (EXPAND_MAX_SMEM / (4 * w.max(1))).clamp(EXPAND_ROWS_PER_BLOCK, EXPAND_LONG_ROWS)
+    }
+}
 /// Row blocks of a recorded step's LoRA launches, each looping over tiles (shrinks) or work
 /// items (the expand) of the step replayed: a grid sized for every possible tile (256 at 256
 /// rows, times the other dimensions) spent more on dispatching empty blocks than on the work.
@@ -71,6 +91,32 @@ pub(super) fn dev_buf(s: &LoraStorage) -> &DevBuf {
     }
 }
 
+/// A LoRA call's device addresses (see [`CudaDevice::lora_site`]).
+pub(super) struct LoraSite {
+    pub(super) shape: LoraSiteShape,
+    pub(super) a: u64,
+    pub(super) b: u64,
+    pub(super) ranks: u64,
+    pub(super) scal: u64,
+    pub(super) gp: u64,
+    pub(super) cap: usize,
+    recording: bool,
+}
+
+/// Inputs per piece of the single-row GEMV's own shrink before it is widened to fit the grid:
+/// one 256-input sweep of a warp's 16-byte vectors, so a piece is one load latency.
+const GEMV_LORA_SPLIT: usize = 256;
+
+/// The LoRA half of a fused single-row GEMV launch (kernels.cu `GemvLora`).
+pub(super) struct GemvLoraArgs {
+    pub(super) t: u64,
+    pub(super) ctr: u64,
+    pub(super) site: LoraSite,
+    pub(super) gy: usize,
+    pub(super) splits: usize,
+    pub(super) kc: usize,
+}
+
 /// A launched shrink, for the consumer of its delta (the expand, or a GEMV that adds it):
 /// device addresses of the packed groups, the shrink's sums, the slot buffers' Bᵀ and this
 /// site's rank / scaling rows.
@@ -80,22 +126,30 @@ pub(super) struct LoraLaunch {
     pub(super) cap: usize,
     /// The expand's item blocks.
     pub(super) items: usize,
-    /// The shrink ran on the side stream: [`CudaDevice::lora_join`] before reading `t`.
-    pub(super) beside: bool,
     pub(super) t: u64,
     pub(super) b: u64,
     pub(super) ranks: u64,
     pub(super) scal: u64,
 }
 
+/// Start of slice `j`'s columns (the output width for slices the site does not have).
+fn slice_start(shape: &LoraSiteShape, j: usize) -> usize {
+    if j < shape.n_slices {
+        shape.offsets[j]
+    } else {
+        shape.out_dim()
+    }
+}
+
 impl LoraLaunch {
-    /// Start of slice `j`'s columns (the output width for slices the site does not have).
     pub(super) fn off(&self, j: usize) -> usize {
-        if j < self.shape.n_slices {
-            self.shape.offsets[j]
-        } else {
-            self.shape.out_dim()
-        }
+        slice_start(&self.shape, j)
+    }
+}
+
+impl LoraSite {
+    pub(super) fn off(&self, j: usize) -> usize {
+        slice_start(&self.shape, j)
     }
 }
 
@@ -128,7 +182,14 @@ impl SideStream {
 pub(super) struct LoraGeometry {
     pub(super) width: usize,
     pub(super) splits: usize,
+    /// Widest site output: the delta buffer of steps whose expand runs beside the GEMM.
+    pub(super) out: usize,
 }
+
+/// Steps of at most this many rows compute a site's whole delta beside its GEMM (on the side
+/// stream, into the residual or a delta buffer the epilogue adds); longer ones expand into the
+/// output after the GEMM (a `rows × out` delta buffer would be 235 MB at a 2048-row prefill).
+pub(super) const DELTA_BESIDE_MAX_ROWS: usize = 128;
 
 impl CudaDevice {
     /// Sizes the shrink scratch for a step of `rows` token rows that runs LoRA kernels.
@@ -136,20 +197,66 @@ impl CudaDevice {
         let g = *self.lora_geom.lock().unwrap();
         self.grow(&mut st.lora_t, (1 + g.splits) * rows * g.width.max(1) * 4);
         self.grow(&mut st.lora_counters, counters_len(rows, g.width.max(1)) * 4);
-    }
-
-    pub(super) fn lora_apply_impl(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
-        if let Some(l) = self.lora_shrink_launch(call, x, false) {
-            self.lora_expand_launch(&l, y);
+        if rows <= DELTA_BESIDE_MAX_ROWS {
+            self.grow(&mut st.lora_delta, rows * g.out.max(1) * 4);
         }
     }
 
-    /// Launches the shrink of `call` (`t = x·Aᵀ` into the scratch, region 0 once the split
-    /// partials are added); what the delta's consumer needs, or `None` when the call has
-    /// nothing to add. `beside`: on the side stream (if there is one), joined by
-    /// [`Self::lora_join`].
-    pub(super) fn lora_shrink_launch(&self, call: &LoraCall<'_>, x: LoraX<'_>, beside: bool) -> Option<LoraLaunch> {
-        self.bind();
+    /// A zeroed `rows × out` delta buffer, zeroed on the side stream (call inside
+    /// [`Self::beside`]); sized by `lora_reserve` before a step may be recorded.
+    pub(super) fn lora_delta_zeroed(&self, rows: usize, out: usize) -> u64 {
+        let st = self.state.lock().unwrap();
+        assert!(st.lora_delta.bytes >= rows * out * 4, "LoRA delta buffer too small: stage_batch sizes it");
+        let stream = self.lora_side.as_ref().filter(|_| self.on_side.load(std::sync::atomic::Ordering::Relaxed)).map_or(self.stream, |s| s.stream);
+        // SAFETY: a live buffer of this context, at least that long; a stream of this context.
+        unsafe { result::memset_d8_async(st.lora_delta.ptr, 0, rows * out * 4, stream) }.unwrap_or_else(|e| panic!("LoRA delta on {}: {e:?}", self.name));
+        st.lora_delta.ptr
+    }
+
+    /// Runs `f`'s launches on the side stream (if there is one), forked after the work queued
+    /// so far; [`Self::join_side`] makes the compute stream wait for them. True when it was
+    /// beside. A bf16 shadow of a GEMM input made before stays valid: side work never writes a
+    /// GEMM input.
+    pub(super) fn beside<R>(&self, f: impl FnOnce() -> R) -> (R, bool) {
+        let Some(sd) = &self.lora_side else { return (f(), false) };
+        let fail = |e: cudarc::driver::DriverError| -> ! { panic!("LoRA side stream on {}: {e:?}", self.name) };
+        let before = self.touches.load(std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: events and streams of this context.
+        unsafe {
+            result::event::record(sd.fork, self.stream).unwrap_or_else(|e| fail(e));
+            result::stream::wait_event(sd.stream, sd.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).unwrap_or_else(|e| fail(e));
+        }
+        self.on_side.store(true, std::sync::atomic::Ordering::Relaxed);
+        let r = f();
+        self.on_side.store(false, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: an event of this context on its side stream.
+        unsafe { result::event::record(sd.join, sd.stream) }.unwrap_or_else(|e| fail(e));
+        let mut st = self.state.lock().unwrap();
+        if let Some((p, len, n)) = st.shadow {
+            if n == before {
+                st.shadow = Some((p, len, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
+            }
+        }
+        (r, true)
+    }
+
+    /// Makes the compute stream wait for the work of the last [`Self::beside`].
+    pub(super) fn join_side(&self) {
+        if let Some(sd) = &self.lora_side {
+            // SAFETY: events and streams of this context.
+            unsafe { result::stream::wait_event(self.stream, sd.join, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }.unwrap_or_else(|e| panic!("LoRA side stream on {}: {e:?}", self.name));
+        }
+    }
+
+    pub(super) fn lora_apply_impl(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
+        if let Some(l) = self.lora_shrink_launch(call, x) {
+            self.lora_expand_launch(&l, buf(y));
+        }
+    }
+
+    /// What every LoRA launch of `call` needs: the packed groups on the device, the slot
+    /// buffers and this site's table rows; `None` when the call has nothing to add.
+    fn lora_site(&self, st: &mut State, call: &LoraCall<'_>) -> Option<LoraSite> {
         let g = &call.groups;
         let cap = g.rows;
         let recording = self.recording.load(std::sync::atomic::Ordering::Relaxed);
@@ -157,62 +264,82 @@ impl CudaDevice {
             return None;
         }
         assert!(g.packed.len() == packed_len(cap), "CUDA lora_apply needs the groups packed for {cap} rows (LoraGroups::packed)");
-        let sh = call.shape();
-        let (a, b) = (dev_buf(&call.buffers.a).ptr, dev_buf(&call.buffers.b).ptr);
         let table = dev_buf(call.table.device.as_ref().expect("a CUDA LoRA table has a device mirror")).ptr;
         let s = call.table.slots;
-        let ranks = table + (4 * call.entry * s) as u64;
-        let scal = table + (4 * (call.table.entries * s + call.entry * s * MAX_SLICES)) as u64;
-        let w = sh.shrink_width();
+        Some(LoraSite {
+            shape: *call.shape(),
+            a: dev_buf(&call.buffers.a).ptr,
+            b: dev_buf(&call.buffers.b).ptr,
+            ranks: table + (4 * call.entry * s) as u64,
+            scal: table + (4 * (call.table.entries * s + call.entry * s * MAX_SLICES)) as u64,
+            gp: self.meta_ptr(st, g.packed),
+            cap,
+            recording,
+        })
+    }
+
+    /// The LoRA arguments of a single-row GEMV over `blocks` blocks that computes the shrink of
+    /// `call` itself (kernels.cu: `GemvLora`): its pieces, 8 A rows × `kc` inputs each, as few
+    /// splits of the inputs as keep the pieces ≤ `blocks` (every piece needs a block) and each
+    /// piece a couple of 16-byte loads a lane. `None`: nothing to add, or more A row groups than
+    /// blocks (the caller takes the separate kernels).
+    pub(super) fn lora_gemv_args(&self, call: &LoraCall<'_>, blocks: usize) -> Option<Option<GemvLoraArgs>> {
         let mut st = self.state.lock().unwrap();
-        let gp = self.meta_ptr(&mut st, g.packed);
+        let Some(site) = self.lora_site(&mut st, call) else { return Some(None) };
+        debug_assert_eq!(site.cap, 1);
+        let w = site.shape.shrink_width();
+        let (k, gy) = (site.shape.in_dim, w.div_ceil(SHRINK_ROWS));
+        if gy > blocks {
+            return None;
+        }
+        let mut kc = GEMV_LORA_SPLIT;
+        while gy * k.div_ceil(kc) > blocks {
+            kc *= 2;
+        }
+        let splits = k.div_ceil(kc);
+        self.lora_scratch(&mut st, (1 + splits) * w, 0, site.recording);
+        Some(Some(GemvLoraArgs { t: st.lora_t.ptr, ctr: st.gemv_lora_ctr.ptr, site, gy, splits, kc }))
+    }
+
+    /// Launches the shrink of `call` (`t = x·Aᵀ` into the scratch, region 0 once the split
+    /// partials are added); what the delta's consumer needs, or `None` when the call has
+    /// nothing to add.
+    pub(super) fn lora_shrink_launch(&self, call: &LoraCall<'_>, x: LoraX<'_>) -> Option<LoraLaunch> {
+        self.bind();
+        let mut st = self.state.lock().unwrap();
+        let LoraSite { shape: sh, a, b, ranks, scal, gp, cap, recording } = self.lora_site(&mut st, call)?;
+        let g = &call.groups;
+        let w = sh.shrink_width();
         // Eager: a block per tile there is. Recording: blocks for up to RECORDED_TILE_BLOCKS
         // tiles, each looping over the tiles of the step replayed (the data decides how many).
         let tiles = if recording { cap.min(RECORDED_TILE_BLOCKS) } else { g.packed[0] as usize };
         if tiles == 0 {
             return None;
         }
-        // The expand's work items: LEX_ZROWS rows of a tile each.
+        // The expand's work items: `expand_rows` rows of a tile each.
+        let zrows = expand_rows(cap, w);
         let items = if recording {
             cap.min(RECORDED_TILE_BLOCKS)
         } else {
             let n = g.packed[0] as usize;
-            g.packed[1 + 2 * cap..1 + 2 * cap + n].iter().map(|&r| (r as usize).div_ceil(EXPAND_ROWS_PER_BLOCK)).sum()
+            g.packed[1 + 2 * cap..1 + 2 * cap + n].iter().map(|&r| (r as usize).div_ceil(zrows)).sum()
         };
-        let side = self.lora_side.as_ref().filter(|_| beside && matches!(x, LoraX::Dense(_)));
         match x {
             LoraX::Dense(x) => {
                 let (klen, splits) = split_k(sh.in_dim);
                 self.lora_scratch(&mut st, (1 + splits) * cap * w, counters_len(cap, w), recording);
                 let (t, counters) = (st.lora_t.ptr, st.lora_counters.ptr);
-                let touches = self.touches.load(std::sync::atomic::Ordering::Relaxed);
-                if let Some(sd) = side {
-                    let fail = |e: cudarc::driver::DriverError| -> ! { panic!("LoRA side stream on {}: {e:?}", self.name) };
-                    // SAFETY: events and streams of this context.
-                    unsafe {
-                        result::event::record(sd.fork, self.stream).unwrap_or_else(|e| fail(e));
-                        result::stream::wait_event(sd.stream, sd.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).unwrap_or_else(|e| fail(e));
-                    }
-                    self.on_side.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
+                // One-dimensional grids of at most a wave, looping over the pieces (kernel docs).
                 if cap >= MMA_MIN_ROWS && sh.in_dim.is_multiple_of(64) {
-                    launch!(self, self.k.lora_shrink_mma, (tiles as u32, w.div_ceil(SHRINK_MMA_COLS) as u32, splits as u32), (128, 1, 1);
-                        buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, t, counters);
+                    let gy = w.div_ceil(SHRINK_MMA_COLS);
+                    let grid = (tiles * gy * splits).min(SHRINK_MMA_BLOCKS) as u32;
+                    launch!(self, self.k.lora_shrink_mma, (grid, 1, 1), (128, 1, 1);
+                        buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, gy as i32, splits as i32, t, counters);
                 } else {
-                    launch!(self, self.k.lora_shrink, (tiles as u32, w.div_ceil(SHRINK_ROWS) as u32, splits as u32), (256, 1, 1);
-                        buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, t, counters);
-                }
-                if let Some(sd) = side {
-                    self.on_side.store(false, std::sync::atomic::Ordering::Relaxed);
-                    // SAFETY: an event of this context on its side stream.
-                    unsafe { result::event::record(sd.join, sd.stream) }.unwrap_or_else(|e| panic!("LoRA side stream on {}: {e:?}", self.name));
-                }
-                // The shrink writes only its scratch: a bf16 shadow of x made by x's producer
-                // still holds for the GEMM that follows.
-                if let Some((p, len, n)) = st.shadow {
-                    if n == touches {
-                        st.shadow = Some((p, len, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
-                    }
+                    let gy = w.div_ceil(SHRINK_ROWS);
+                    let grid = (tiles * gy * splits).min(SHRINK_BLOCKS) as u32;
+                    launch!(self, self.k.lora_shrink, (grid, 1, 1), (256, 1, 1);
+                        buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, gy as i32, splits as i32, t, counters);
                 }
             }
             LoraX::TokenIds(ids) => {
@@ -223,25 +350,19 @@ impl CudaDevice {
             }
         }
         self.mark("lora shrink");
-        Some(LoraLaunch { shape: *sh, gp, cap, items, t: st.lora_t.ptr, b, ranks, scal, beside: side.is_some() })
+        Some(LoraLaunch { shape: sh, gp, cap, items, t: st.lora_t.ptr, b, ranks, scal })
     }
 
-    /// Makes the compute stream wait for a shrink launched beside it.
-    pub(super) fn lora_join(&self, l: &LoraLaunch) {
-        if let (true, Some(sd)) = (l.beside, &self.lora_side) {
-            // SAFETY: events and streams of this context.
-            unsafe { result::stream::wait_event(self.stream, sd.join, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }.unwrap_or_else(|e| panic!("LoRA side stream on {}: {e:?}", self.name));
-        }
-    }
-
-    /// `y += s_j · t · Bᵀ` for the shrink `l` launched.
-    pub(super) fn lora_expand_launch(&self, l: &LoraLaunch, y: &mut Tensor) {
-        self.lora_join(l);
+    /// `y += s_j · t · Bᵀ` for the shrink `l` launched (`y` a device address of `rows × out`
+    /// floats).
+    pub(super) fn lora_expand_launch(&self, l: &LoraLaunch, y: u64) {
         let sh = l.shape;
         let out = sh.out_dim();
-        let smem = (SUB_ROWS * sh.shrink_width() * 4) as u32;
+        let zrows = expand_rows(l.cap, sh.shrink_width());
+        let smem = (zrows * sh.shrink_width() * 4) as u32;
         launch!(self, self.k.lora_expand, (l.items as u32, out.div_ceil(EXPAND_COLS_PER_BLOCK) as u32, 1), (EXPAND_THREADS, 1, 1), smem = smem;
-            l.t, l.b, l.gp, l.cap as i32, l.ranks, l.scal, sh.n_slices as i32, sh.max_rank as i32, sh.b_ld as i32, l.off(1) as i32, l.off(2) as i32, out as i32, buf(y));
+            l.t, l.b, l.gp, l.cap as i32, l.ranks, l.scal, sh.n_slices as i32, sh.max_rank as i32, sh.b_ld as i32, l.off(1) as i32, l.off(2) as i32, out as i32,
+            zrows as i32, y);
         self.mark("lora expand");
     }
 

@@ -51,6 +51,7 @@ impl CudaDevice {
         let mut g = self.lora_geom.lock().unwrap();
         g.width = g.width.max(shape.shrink_width());
         g.splits = g.splits.max(split_k(shape.in_dim).1);
+        g.out = g.out.max(shape.out_dim());
         LoraSiteBuffers { a: mk(shape.slots * shape.a_slot_len()), b: mk(shape.slots * shape.b_slot_len()), shape }
     }
 

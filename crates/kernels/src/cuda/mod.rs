@@ -86,6 +86,11 @@ struct State {
     /// LoRA shrink output, `[1 + splits][rows][n·R]` f32, and its split-k counters (see `lora.rs`).
     lora_t: DevBuf,
     lora_counters: DevBuf,
+    /// `rows × out` LoRA deltas computed beside a GEMM for its epilogue to add (lora.rs).
+    lora_delta: DevBuf,
+    /// The fused single-row LoRA GEMV's four counters (kernels.cu `GemvLora::ctr`): zero
+    /// between launches, each launch's last warp zeroes them.
+    gemv_lora_ctr: DevBuf,
     /// Host ends of the copy stream: staged metadata, downloaded data.
     pin_up: PinnedBuf,
     pin_down: PinnedBuf,
@@ -93,6 +98,8 @@ struct State {
 
 pub struct CudaDevice {
     ordinal: usize,
+    /// Streaming multiprocessors: sizes grids meant to fit the GPU at once.
+    sms: usize,
     ctx: Arc<CudaContext>,
     stream: sys::CUstream,
     copy: CopyStream,
@@ -162,6 +169,7 @@ mod gemm;
 mod graphs;
 mod init;
 mod lora;
+mod lora_gemm;
 mod lora_pool;
 mod memory;
 mod module;
@@ -445,17 +453,7 @@ impl Device for CudaDevice {
     }
 
     fn rope_qk(&self, qkv: &mut Tensor, rows: usize, positions: &[u32], n_heads: usize, n_kv_heads: usize, t: &RopeTable) {
-        self.bind();
-        if rows == 0 {
-            return;
-        }
-        assert_eq!(t.rotary_dim, t.head_dim, "partial rotary dims are not supported on CUDA");
-        let width = (n_heads + 2 * n_kv_heads) * t.head_dim;
-        let mut st = self.state.lock().unwrap();
-        let pp = self.meta_ptr(&mut st, &positions[..rows]);
-        launch!(self, self.k.rope_qk, (rows as u32, 1, 1), row_threads((n_heads + n_kv_heads) * t.rotary_dim / 2);
-            buf(qkv), pp, buf(&t.cos), buf(&t.sin), (n_heads + n_kv_heads) as i32, t.head_dim as i32, (t.rotary_dim / 2) as i32, width as i32, t.max_pos as i32);
-        self.mark("rope");
+        self.rope_qk_plus(qkv, 0, rows, positions, n_heads, n_kv_heads, t)
     }
 
     fn matmul_lora(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, lora: Option<&LoraCall<'_>>, epilogue: Epilogue<'_>, y: &mut Tensor) {
@@ -472,16 +470,7 @@ impl Device for CudaDevice {
     }
 
     fn silu_mul(&self, gate_up: &Tensor, rows: usize, inter: usize, out: &mut Tensor) {
-        self.bind();
-        if rows == 0 {
-            return;
-        }
-        let mut st = self.state.lock().unwrap();
-        let ob = self.shadow_for(&mut st, rows, inter);
-        let items = if inter.is_multiple_of(4) { rows * inter / 4 } else { rows * inter };
-        launch!(self, self.k.silu_mul, grid1(items, 256), (256, 1, 1); buf(gate_up), buf(out), ob, inter as i32, (rows * inter) as i64);
-        self.set_shadow(&mut st, ob, buf(out), rows * inter);
-        self.mark("silu_mul");
+        self.silu_mul_plus(gate_up, 0, rows, inter, out)
     }
 
     fn paged_attention(&self, qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorage, layer: usize, n_heads: usize, scale: f32, out: &mut Tensor) {
