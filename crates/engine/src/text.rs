@@ -8,47 +8,106 @@ use quiver_model::tokenizer::Tokenizer;
 /// previous token (SentencePiece's leading space) render the new text correctly.
 const CONTEXT: usize = 4;
 
-/// Incremental detokenizer over a sequence's token list (prompt + generated).
+/// Incremental detokenizer over a sequence's token list (prompt + generated): it decodes a
+/// window of ids (a few before the last shown text, then the new ones) with and without the new
+/// ones and shows the difference once it does not end in U+FFFD (an incomplete character). With
+/// a byte-level tokenizer (`Tokenizer::token_bytes`) the window is kept as bytes, each new
+/// token's appended, and decoded by UTF-8 rules alone — the same text at the same tokens
+/// without the tokenizer's decoder (a dozen allocations per token); from the first token it
+/// cannot render alone it falls back to decoding ids.
 #[derive(Clone, Debug)]
 pub struct Detok {
+    /// The window: ids from `prefix`, the shown text ending at `read`.
     prefix: usize,
     read: usize,
     skip_special: bool,
+    /// Byte path: the bytes of ids `prefix..bytes_read`, the first `split` of them those of
+    /// `prefix..read`.
+    win: Vec<u8>,
+    split: usize,
+    bytes_read: usize,
+    /// False: ids decoded by the tokenizer (always for `windowed`, the tests' reference).
+    bytes_ok: bool,
 }
 
 impl Detok {
     /// `skip_special`: leave special tokens' text out (the request's `skip_special_tokens`).
     pub fn new(prompt_len: usize, skip_special: bool) -> Self {
-        Detok { prefix: prompt_len.saturating_sub(CONTEXT), read: prompt_len, skip_special }
+        let prefix = prompt_len.saturating_sub(CONTEXT);
+        Detok { prefix, read: prompt_len, skip_special, win: Vec::new(), split: 0, bytes_read: prefix, bytes_ok: true }
     }
 
-    fn decode(&self, tok: &Tokenizer, ids: &[u32]) -> String {
-        tok.inner().decode(ids, self.skip_special).unwrap_or_default()
+    /// A detokenizer that always decodes ids with the tokenizer, whatever it is.
+    pub fn windowed(prompt_len: usize, skip_special: bool) -> Self {
+        Detok { bytes_ok: false, ..Detok::new(prompt_len, skip_special) }
+    }
+
+    /// Byte path: appends the bytes of the ids not read yet; false (and ids decoded from now
+    /// on) without a byte table or at an id it cannot render alone.
+    fn read_bytes(&mut self, tok: &Tokenizer, ids: &[u32]) -> bool {
+        let Some(bytes) = tok.token_bytes().filter(|_| self.bytes_ok) else { return false };
+        let from = self.bytes_read.min(ids.len());
+        if ids[from..].iter().any(|&id| bytes.irregular(id, self.skip_special)) {
+            self.bytes_ok = false;
+            self.win = Vec::new();
+            return false;
+        }
+        for (i, &id) in ids.iter().enumerate().skip(from) {
+            let b = bytes.get(id, self.skip_special);
+            self.win.extend_from_slice(b);
+            if i < self.read {
+                self.split += b.len();
+            }
+        }
+        self.bytes_read = self.bytes_read.max(ids.len());
+        true
+    }
+
+    /// The window decoded without and with the new ids.
+    fn texts<'a>(&'a self, tok: &Tokenizer, ids: &[u32], byte_path: bool) -> (std::borrow::Cow<'a, str>, std::borrow::Cow<'a, str>) {
+        if byte_path {
+            (String::from_utf8_lossy(&self.win[..self.split]), String::from_utf8_lossy(&self.win))
+        } else {
+            let decode = |ids: &[u32]| tok.inner().decode(ids, self.skip_special).unwrap_or_default().into();
+            (decode(&ids[self.prefix..self.read]), decode(&ids[self.prefix..]))
+        }
+    }
+
+    /// The window now starts at `read` and shows through `end`.
+    fn advance(&mut self, end: usize) {
+        self.prefix = self.read;
+        self.read = end;
+        if self.bytes_ok {
+            self.win.drain(..self.split);
+            self.split = self.win.len();
+        }
     }
 
     /// `ids` ends with the newly generated token; returns text completed by it.
     pub fn step(&mut self, tok: &Tokenizer, ids: &[u32]) -> Option<String> {
-        let before = self.decode(tok, &ids[self.prefix..self.read]);
-        let now = self.decode(tok, &ids[self.prefix..]);
+        let byte_path = self.read_bytes(tok, ids);
+        let (before, now) = self.texts(tok, ids, byte_path);
         if now.len() <= before.len() || now.ends_with('\u{FFFD}') || !now.is_char_boundary(before.len()) {
             return None;
         }
         let new = now[before.len()..].to_string();
-        self.prefix = self.read;
-        self.read = ids.len();
+        self.advance(ids.len());
         Some(new)
     }
 
     /// Whatever is still held back (an incomplete trailing character renders as U+FFFD).
     pub fn flush(&mut self, tok: &Tokenizer, ids: &[u32]) -> Option<String> {
+        let byte_path = self.read_bytes(tok, ids);
         if self.read >= ids.len() {
             return None;
         }
-        let before = self.decode(tok, &ids[self.prefix..self.read]);
-        let now = self.decode(tok, &ids[self.prefix..]);
+        let (before, now) = self.texts(tok, ids, byte_path);
+        let new = now.get(before.len()..).unwrap_or("").to_string();
+        // Nothing is held any more: the window restarts after the last id.
         self.prefix = ids.len();
         self.read = ids.len();
-        let new = now.get(before.len()..).unwrap_or("").to_string();
+        self.win.clear();
+        self.split = 0;
         (!new.is_empty()).then_some(new)
     }
 }

@@ -135,6 +135,95 @@ pub struct Tokenizer {
     bos_id: Option<u32>,
     eos_ids: Vec<u32>,
     chat_template: Option<ChatTemplate>,
+    /// Each token's bytes, made on first use (see [`TokenBytes`]).
+    token_bytes: std::sync::OnceLock<Option<TokenBytes>>,
+}
+
+/// The bytes every token id decodes to, for tokenizers whose decoder is GPT-2's byte-level one
+/// (SmolLM2, Llama 3, Qwen; also as the last of transformers 5's `ByteFallback, Fuse,
+/// Replace(▁ → space), ByteLevel` sequence): there decoding a list of ids is the concatenation
+/// of the ids' bytes, read as UTF-8 with invalid sequences replaced (`tokenizers`' `decode`, the
+/// same rules), so a streaming detokenizer can append one token's bytes instead of decoding
+/// windows of ids (a dozen allocations and two decoder passes per generated token).
+pub struct TokenBytes {
+    data: Vec<u8>,
+    /// `ends[id]`: end of the id's bytes in `data` (they start at `ends[id - 1]`).
+    ends: Vec<u32>,
+    /// Ids whose text `skip_special_tokens` leaves out (their string is a special token's).
+    special: Vec<bool>,
+    /// Ids for which the concatenation does not hold: under the sequence decoder, a `<0xNN>`
+    /// byte token, a `▁`, or a character outside the byte alphabet makes the byte-level step
+    /// take the whole fused text as it is. A detokenizer meeting one decodes windows instead.
+    irregular: Vec<bool>,
+}
+
+impl TokenBytes {
+    fn build(inner: &tokenizers::Tokenizer) -> Option<TokenBytes> {
+        use tokenizers::decoders::DecoderWrapper as D;
+        let sequence = match inner.get_decoder()? {
+            D::ByteLevel(_) => false,
+            D::Sequence(seq) => match seq.get_decoders() {
+                [D::ByteFallback(_), D::Fuse(_), D::Replace(r), D::ByteLevel(_)] if replaces_metaspace(r) => true,
+                _ => return None,
+            },
+            _ => return None,
+        };
+        let byte_of = byte_level_chars();
+        let added = inner.get_added_tokens_decoder();
+        let specials: std::collections::HashSet<&str> = added.values().filter(|t| t.special).map(|t| t.content.as_str()).collect();
+        let n = added.keys().map(|&id| id as usize + 1).max().unwrap_or(0).max(inner.get_vocab_size(false));
+        let (mut data, mut ends, mut special, mut irregular) = (Vec::new(), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        for id in 0..n as u32 {
+            // An id without a token decodes to nothing, as in `decode`.
+            let token = inner.id_to_token(id).unwrap_or_default();
+            special.push(specials.contains(token.as_str()));
+            let mapped: Option<Vec<u8>> = token.chars().map(|c| byte_of.get(&c).copied()).collect();
+            let byte_token = token.len() == 6 && token.starts_with("<0x") && token.ends_with('>');
+            irregular.push(sequence && (mapped.is_none() || byte_token || token.contains('\u{2581}')));
+            data.extend_from_slice(&mapped.unwrap_or_else(|| token.as_bytes().to_vec()));
+            ends.push(u32::try_from(data.len()).ok()?);
+        }
+        Some(TokenBytes { data, ends, special, irregular })
+    }
+
+    /// Whether `id` breaks the concatenation (see the field); a skipped special token does not
+    /// take part in decoding at all.
+    pub fn irregular(&self, id: u32, skip_special: bool) -> bool {
+        let i = id as usize;
+        i < self.irregular.len() && self.irregular[i] && !(skip_special && self.special[i])
+    }
+
+    /// The bytes of `id` (none for an unknown id, or a special one when `skip_special`).
+    pub fn get(&self, id: u32, skip_special: bool) -> &[u8] {
+        let i = id as usize;
+        if i >= self.ends.len() || (skip_special && self.special[i]) {
+            return &[];
+        }
+        let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
+        &self.data[start..self.ends[i] as usize]
+    }
+}
+
+/// Whether a `Replace` decoder turns `▁` into a space (SentencePiece's word boundary).
+fn replaces_metaspace(r: &tokenizers::normalizers::replace::Replace) -> bool {
+    serde_json::to_value(r).is_ok_and(|v| v["pattern"]["String"] == "\u{2581}" && v["content"] == " ")
+}
+
+/// GPT-2's byte-level alphabet, inverted: the printable Latin-1 bytes stand for themselves and
+/// the other 68 bytes, in order, for the characters from U+0100 on.
+fn byte_level_chars() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let mut next = 0u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (char::from(b), b)
+            } else {
+                next += 1;
+                (char::from_u32(0x100 + next - 1).expect("a valid char"), b)
+            }
+        })
+        .collect()
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -240,7 +329,7 @@ impl Tokenizer {
                     .with_context(|| format!("{}: chat template does not compile", dir.display()))
             })
             .transpose()?;
-        Ok(Tokenizer { inner, bos_id, eos_ids, chat_template })
+        Ok(Tokenizer { inner, bos_id, eos_ids, chat_template, token_bytes: Default::default() })
     }
 
     /// Builds the tokenizer from a GGUF file's `tokenizer.*` metadata.
@@ -374,7 +463,7 @@ impl Tokenizer {
                     .context("GGUF `tokenizer.chat_template` does not compile")
             })
             .transpose()?;
-        Ok(Tokenizer { inner, bos_id: data.bos_id, eos_ids: data.eos_id.into_iter().collect(), chat_template })
+        Ok(Tokenizer { inner, bos_id: data.bos_id, eos_ids: data.eos_id.into_iter().collect(), chat_template, token_bytes: Default::default() })
     }
 
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
@@ -421,6 +510,12 @@ impl Tokenizer {
     /// The underlying `tokenizers` object, for callers that need offsets or batch encoding.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
+    }
+
+    /// Every token's bytes, when decoding is their concatenation (a byte-level BPE decoder):
+    /// made once, on first use.
+    pub fn token_bytes(&self) -> Option<&TokenBytes> {
+        self.token_bytes.get_or_init(|| TokenBytes::build(&self.inner)).as_ref()
     }
 }
 
