@@ -176,6 +176,10 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
     println!("{:<10} {:>5} {:>4} {:>5} {:>10} {:>10} {:>8}", "backend", "rank", "ads", "rows", "base ms", "lora ms", "cost");
     let mut out = Vec::new();
     let max_ads = a.adapters.iter().copied().max().unwrap_or(1);
+    // One prompt per adapter, at least one token each.
+    if let Some(&p) = a.prefill.iter().find(|&&p| p < max_ads) {
+        anyhow::bail!("--prefill {p}: a prefill step splits its tokens into one prompt per adapter, so it needs at least --adapters ({max_ads}) tokens");
+    }
     for &rank in &a.ranks {
         // In memory (an 8B rank-16 adapter is 168 MB of f32): no files to write or parse.
         let adapters: Vec<LoraAdapter> = (0..max_ads)

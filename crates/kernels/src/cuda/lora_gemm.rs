@@ -41,9 +41,7 @@ impl CudaDevice {
         let (ranks, scal) = (call.table.ranks_at(call.entry), call.table.scalings_at(call.entry));
         let mut st = self.state.lock().unwrap();
         // t in f32 (m × W), then its bf16 copy after it (the expand GEMM's operand).
-        if st.lora_t.bytes < m * w * 6 {
-            self.grow(&mut st.lora_t, m * w * 6);
-        }
+        self.grow(&mut st.lora_t, m * w * 6);
         assert!(st.xbf.bytes >= m * k * 2, "LoRA GEMMs without the base GEMM's bf16 input");
         let (xb, t) = (st.xbf.ptr, st.lora_t.ptr);
         let tb = t + (m * w * 4) as u64;
