@@ -406,6 +406,20 @@ pub trait Device: Send + Sync {
     fn add_rms_norm(&self, resid: &mut Tensor, delta: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor);
     /// `resid += delta` over `len` floats.
     fn add_inplace(&self, resid: &mut Tensor, delta: &Tensor, len: usize);
+    /// The RMSNorm whose output `out` is the input of the LoRA projection `next`, which the
+    /// caller makes right after through [`Device::matmul_lora`] with the same call: `rms_norm`
+    /// of `x`, or with `delta` `add_rms_norm` (`x += delta` first). A device may compute
+    /// `next`'s shrink in the norm's own pass and hand it to that `matmul_lora` (CUDA in decode
+    /// steps: the shrink then costs no launch and the projection waits for nothing). The default
+    /// is the norm alone.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_before_lora(&self, x: &mut Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor, next: &LoraCall<'_>) {
+        let _ = next;
+        match delta {
+            Some(d) => self.add_rms_norm(x, d, w, eps, rows, dim, out),
+            None => self.rms_norm(x, w, eps, rows, dim, out),
+        }
+    }
     /// Rotate-half RoPE applied in place to the q and k parts of a fused `[rows, q+k+v]` buffer.
     fn rope_qk(&self, qkv: &mut Tensor, rows: usize, positions: &[u32], n_heads: usize, n_kv_heads: usize, table: &RopeTable);
     /// `out[r, i] = silu(gu[r, i]) * gu[r, inter + i]` for a fused `[rows, 2·inter]` buffer.

@@ -252,8 +252,11 @@ pub enum LoraX<'a> {
 
 /// u32 words of [`pack_tiles`]'s layout for `capacity` rows.
 pub fn packed_len(capacity: usize) -> usize {
-    1 + 4 * capacity
+    1 + 6 * capacity
 }
+
+/// [`pack_tiles`]' marker for a row in no group (a base row) in its row-indexed tables.
+pub const NO_POSITION: u32 = u32::MAX;
 
 /// The tiles of packed groups (`capacity` rows) as maximal runs `(first row, rows, slot)` of
 /// contiguous rows of one slot, in tile order, to `f`: a prefill segment per run, for devices
@@ -304,9 +307,13 @@ pub fn for_contiguous_runs(packed: &[u32], capacity: usize, min_run: usize, mut 
 /// [1+C .. 1+2C]            tile_start[i]: first position of tile i
 /// [1+2C .. 1+3C]           tile_len[i] (≤ tile_rows; 0 for i ≥ T)
 /// [1+3C .. 1+4C]           tile_slot[i]
+/// [1+4C .. 1+5C]           row_pos[r]: the position of row r, NO_POSITION for base rows
+/// [1+5C .. 1+6C]           row_slot[r]: the slot of row r, NO_POSITION for base rows
 /// ```
 /// Positions index the permutation for chunks; for segments the permutation lists the grouped
-/// rows in order. Unused entries are zero, so a kernel launched over all `C` tiles skips them.
+/// rows in order. Unused tile entries are zero, so a kernel launched over all `C` tiles skips
+/// them. The row-indexed tables serve kernels that walk rows rather than tiles (CUDA computes a
+/// site's shrink in the RMSNorm that makes its input, one row at a time).
 pub fn pack_tiles(groups: &LoraGroups<'_>, tile_rows: usize, capacity: usize, out: &mut Vec<u32>) {
     let c = capacity.max(groups.rows);
     out.clear();
@@ -314,7 +321,11 @@ pub fn pack_tiles(groups: &LoraGroups<'_>, tile_rows: usize, capacity: usize, ou
     let tile_rows = tile_rows.max(1) as u32;
     let (perm, rest) = out[1..].split_at_mut(c);
     let (tstart, rest) = rest.split_at_mut(c);
-    let (tlen, tslot) = rest.split_at_mut(c);
+    let (tlen, rest) = rest.split_at_mut(c);
+    let (tslot, rest) = rest.split_at_mut(c);
+    let (row_pos, row_slot) = rest.split_at_mut(c);
+    row_pos.fill(NO_POSITION);
+    row_slot.fill(NO_POSITION);
     let mut pos = 0u32;
     let mut tiles = 0usize;
     for g in 0..groups.num_groups() {
@@ -335,6 +346,11 @@ pub fn pack_tiles(groups: &LoraGroups<'_>, tile_rows: usize, capacity: usize, ou
                 s
             }
         };
+        for q in p0..p0 + (e - s) {
+            let row = perm[q as usize] as usize;
+            row_pos[row] = q;
+            row_slot[row] = groups.slot[g];
+        }
         let mut off = 0;
         while off < e - s {
             let n = tile_rows.min(e - s - off);
@@ -366,6 +382,9 @@ mod tests {
         assert_eq!(&out[17..21], &[2, 2, 1, 1]);
         assert_eq!(&out[25..29], &[0, 0, 0, 1]);
         assert!(out[13..17].iter().chain(&out[21..25]).chain(&out[29..33]).all(|&v| v == 0));
+        // Row-indexed: row r's position in the permutation and its slot; rows 6, 7 unused.
+        assert_eq!(&out[33..41], &[0, 1, 5, 2, 3, 4, NO_POSITION, NO_POSITION]);
+        assert_eq!(&out[41..49], &[0, 0, 1, 0, 0, 0, NO_POSITION, NO_POSITION]);
         // Segments: rows 2..5 (slot 1) and 7..8 (slot 0); the packed permutation lists them.
         let g = LoraGroups { rows: 9, adapter_rows: 4, group_rows: GroupRows::Contiguous, start: &[2, 7], end: &[5, 8], slot: &[1, 0], packed: &[] };
         pack_tiles(&g, 16, 9, &mut out);
@@ -374,6 +393,10 @@ mod tests {
         assert_eq!(&out[10..12], &[0, 3]);
         assert_eq!(&out[19..21], &[3, 1]);
         assert_eq!(&out[28..30], &[1, 0]);
+        // Base rows 0, 1, 5, 6, 8 have no position.
+        let n = NO_POSITION;
+        assert_eq!(&out[37..46], &[n, n, 0, 1, 2, n, n, 3, n]);
+        assert_eq!(&out[46..55], &[n, n, 1, 1, 1, n, n, 0, n]);
     }
 
     #[test]

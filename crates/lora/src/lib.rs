@@ -213,6 +213,15 @@ pub trait LoraHook: Sync {
         self.linear(dev, layer, site, x, m, y);
         epilogue.run(dev, y, m, w);
     }
+    /// The RMSNorm whose output `out` is `site`'s input, made right before [`Self::project`] of
+    /// the same site: `Device::rms_norm` of `x`, or with `delta` `Device::add_rms_norm`
+    /// (`x += delta` first). With adapters in the batch the device gets the site's LoRA call
+    /// too ([`Device::rms_norm_before_lora`]), so it may start the delta in the norm's pass.
+    #[allow(clippy::too_many_arguments)]
+    fn norm(&self, dev: &dyn Device, layer: usize, site: LinearSite, x: &mut Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f32, m: usize, dim: usize, out: &mut Tensor) {
+        let _ = (layer, site);
+        plain_norm(dev, x, delta, w, eps, m, dim, out)
+    }
     /// `out[r, :] += Δ_embed(ids[r])` for rows whose adapter has `embed_tokens` LoRA.
     fn embedding(&self, dev: &dyn Device, ids: &[u32], out: &mut Tensor);
     /// LM head on pruned rows: `x` is `[rows.len(), hidden]` (final-normed hidden states of the
@@ -235,6 +244,16 @@ pub trait LoraHook: Sync {
     /// a recorded step must contain.
     fn shape_key(&self) -> u64 {
         0
+    }
+}
+
+/// `Device::rms_norm` of `x`, or `Device::add_rms_norm` with `delta`: [`LoraHook::norm`]
+/// without a LoRA call.
+#[allow(clippy::too_many_arguments)]
+pub fn plain_norm(dev: &dyn Device, x: &mut Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f32, m: usize, dim: usize, out: &mut Tensor) {
+    match delta {
+        Some(d) => dev.add_rms_norm(x, d, w, eps, m, dim, out),
+        None => dev.rms_norm(x, w, eps, m, dim, out),
     }
 }
 

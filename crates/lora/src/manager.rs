@@ -471,6 +471,16 @@ impl LoraHook for BatchHook<'_> {
         }
     }
 
+    fn norm(&self, dev: &dyn Device, layer: usize, site: LinearSite, x: &mut Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f32, m: usize, dim: usize, out: &mut Tensor) {
+        let rows = &self.info.tokens;
+        let s = if self.info.is_active() && rows.adapter_rows > 0 { self.site_ref(self.pool.site(layer, site)) } else { None };
+        // The same call `project` makes for this site next.
+        match s.zip(self.backend.groups(rows)) {
+            Some((s, g)) => dev.rms_norm_before_lora(x, delta, w, eps, m, dim, out, &s.call(g)),
+            None => crate::plain_norm(dev, x, delta, w, eps, m, dim, out),
+        }
+    }
+
     fn embedding(&self, dev: &dyn Device, ids: &[u32], out: &mut Tensor) {
         if !self.info.is_active() {
             return;

@@ -34,6 +34,12 @@ fn cuda_projections_fold_the_delta_like_the_cpu() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn cuda_norms_compute_the_next_shrink_like_the_cpu() {
+    device_lora::norms_before_projections_match_cpu(cuda());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn cuda_graph_replay_follows_the_adapter_mix() {
     device_lora::shape_keyed_steps_follow_the_adapter_mix(cuda());
 }

@@ -31,6 +31,11 @@ fn image_path_projections_with_epilogues_match_cpu() {
     device_lora::projections_with_epilogues_match_cpu(imaging());
 }
 
+#[test]
+fn image_path_norms_before_projections_match_cpu() {
+    device_lora::norms_before_projections_match_cpu(imaging());
+}
+
 /// Every slot's bytes and the rank / scaling tables of two pools.
 fn contents(p: &LoraMemoryPool, dims: &LoraModelDims) -> Vec<Vec<f32>> {
     let mut out = Vec::new();

@@ -246,11 +246,10 @@ impl LlamaModel {
                 lora.embedding(d, &batch.tokens, &mut ws.x);
             }
             for (li, l) in self.layers.iter().enumerate() {
-                if li == 0 {
-                    d.rms_norm(&ws.x, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
-                } else {
-                    d.add_rms_norm(&mut ws.x, &ws.delta, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
-                }
+                // The norm making a projection's input goes through the hook too, so a device
+                // may start the projection's LoRA delta in the norm's pass.
+                let prev = if li == 0 { None } else { Some(&ws.delta) };
+                lora.norm(d, li, LinearSite::Qkv, &mut ws.x, prev, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
                 // Each projection is one hook call: the projection, the batch's LoRA delta (none
                 // without adapters) and the epilogue, which the device may fuse.
                 let rope = Epilogue::RopeQk { positions: &batch.positions, n_heads: c.num_heads, n_kv_heads: c.num_kv_heads, table: &self.rope };
@@ -262,10 +261,13 @@ impl LlamaModel {
                 }
                 d.paged_attention(&ws.qkv, &attn_batch, kv, li, c.num_heads, scale, &mut ws.attn);
                 lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, None, Epilogue::Residual { resid: &mut ws.x }, &mut ws.delta);
-                d.add_rms_norm(&mut ws.x, &ws.delta, &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
                 let (gate_up, down) = match &l.mlp {
-                    Mlp::Dense { gate_up, down } => (gate_up, down),
+                    Mlp::Dense { gate_up, down } => {
+                        lora.norm(d, li, LinearSite::GateUp, &mut ws.x, Some(&ws.delta), &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
+                        (gate_up, down)
+                    }
                     Mlp::Moe(w) => {
+                        d.add_rms_norm(&mut ws.x, &ws.delta, &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
                         let mc = c.moe.as_ref().expect("an MoE layer in a model with an MoE config");
                         let mws = ws.moe.as_mut().expect("MoE buffers in the workspace of an MoE model");
                         let lora = if lora_on { Some((lora, li)) } else { None };

@@ -26,7 +26,8 @@ pub(super) const SPLIT_MAX_WEIGHT_BYTES: usize = 16 << 20;
 pub(super) const GEMV_LORA_MAX_RANK: usize = 64;
 
 /// Blocks per SM per round of the single-row GEMV with LoRA (see `gemv1_lora_grid`): what fits
-/// at once (88 registers and 32 KiB of shared memory a block).
+/// at once (88 registers and 32 KiB of shared memory a block). Capping its registers so that six
+/// fit, as for the plain GEMV, measured no faster on the H200 (session 14).
 const GEMV_LORA_BLOCKS_PER_SM: usize = 5;
 
 /// What a single-row GEMV does with its output (`GV_PLAIN`, `GV_SILU`, `GV_ROPE` in kernels.cu).
@@ -81,7 +82,10 @@ impl CudaDevice {
             }
         };
         let mut blocks = warps.div_ceil(GEMV1_WARPS_PER_BLOCK);
-        if lora.is_some() {
+        // A shrink computed in the kernel takes the looping grid (its per-block work paid once
+        // per block); one computed ahead leaves nothing per block, so the plain grid (a pair per
+        // warp, blocks scheduled as others finish) balances the weight stream as without LoRA.
+        if lora.is_some_and(|l| !l.ahead) {
             blocks = self.gemv1_lora_grid(blocks);
         }
         let (grid, block) = ((blocks as u32, 1, 1), (32 * GEMV1_WARPS_PER_BLOCK as u32, 1, 1));
@@ -92,7 +96,7 @@ impl CudaDevice {
                 let (s, sh) = (&l.site, &l.site.shape);
                 launch!(self, f, grid, block; xp, wb.ptr, bp, yp, n as i32, k as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin,
                     l.t, s.a, s.b, s.gp, s.ranks, s.scal, l.ctr, s.cap as i32, sh.n_slices as i32, sh.max_rank as i32, sh.b_ld as i32,
-                    s.off(1) as i32, s.off(2) as i32, l.gy as i32, l.splits as i32, l.kc as i32)
+                    s.off(1) as i32, s.off(2) as i32, l.gy as i32, l.splits as i32, l.kc as i32, l.ahead as i32)
             }
         }
     }
@@ -104,13 +108,27 @@ impl CudaDevice {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_lora_impl(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, lora: Option<&LoraCall<'_>>, epilogue: Epilogue<'_>, y: &mut Tensor) {
         let Some(call) = lora else { return crate::epilogue_after_matmul(self, x, m, w, bias, epilogue, y) };
+        let ahead = self.take_lora_ahead(call, m);
         let sh = call.shape();
         let fold = self.gemv1_fits(m, w)
             && call.groups.rows == 1
             && sh.out_dim() == w.rows
             && sh.max_rank <= GEMV_LORA_MAX_RANK
-            && !matches!(epilogue, Epilogue::RopeQk { table, .. } if table.rotary_dim != table.head_dim);
-        let fused = if fold { self.lora_gemv_args(call, self.gemv1_lora_blocks(w, &epilogue)) } else { None };
+            && !matches!(epilogue, Epilogue::RopeQk { table, .. } if table.rotary_dim != table.head_dim)
+            && !(self.lora_row1_beside && self.lora_side.is_some() && matches!(epilogue, Epilogue::Residual { .. }));
+        if let Some(t) = ahead {
+            if !fold {
+                // The norm computed the shrink: the expand right after the GEMM, then the epilogue.
+                self.matmul_impl(x, m, w, bias, y);
+                self.lora_expand_ahead(call, t, buf(y));
+                return epilogue.run(self, y, m, w);
+            }
+        }
+        let fused = match (fold, ahead) {
+            (true, Some(t)) => Some(self.lora_gemv_args_ahead(call, t)),
+            (true, None) => self.lora_gemv_args(call, self.gemv1_lora_blocks(w, &epilogue)),
+            (false, _) => None,
+        };
         let Some(fused) = fused else { return self.matmul_lora_rows(x, m, w, bias, call, epilogue, y) };
         self.bind();
         let shrink = fused.as_ref();
@@ -137,8 +155,7 @@ impl CudaDevice {
             return crate::epilogue_after_matmul(self, x, m, w, bias, epilogue, y);
         }
         if self.lora_gemm_fits(call, m, w) {
-            self.matmul_impl(x, m, w, bias, y);
-            self.lora_gemm_delta(call, m, y);
+            self.lora_gemm_project(call, x, m, w, bias, y);
             return epilogue.run(self, y, m, w);
         }
         let out = call.shape().out_dim();
@@ -216,6 +233,19 @@ impl CudaDevice {
         st.xbf.ptr
     }
 
+    /// The bf16 copy of a GEMM's input `x` (`len` floats) in the input scratch: the producer's
+    /// copy if nothing has run since it was written, else converted now.
+    pub(super) fn bf16_input(&self, x: &Tensor, len: usize) -> u64 {
+        let mut st = self.state.lock().unwrap();
+        let touches = self.touches.load(std::sync::atomic::Ordering::Relaxed);
+        if st.shadow.take() != Some((buf(x), len, touches)) {
+            self.grow(&mut st.xbf, len * 2);
+            launch!(self, self.k.f32_to_bf16, grid1(len, 256), (256, 1, 1); buf(x), st.xbf.ptr, len as i64);
+            self.mark("matmul input to bf16");
+        }
+        st.xbf.ptr
+    }
+
     pub(super) fn set_shadow(&self, st: &mut State, outb: u64, out: u64, len: usize) {
         st.shadow = (outb != 0).then(|| (out, len, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
     }
@@ -250,15 +280,9 @@ impl CudaDevice {
                 e1.and(e2).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
             }
             DType::Bf16 => {
-                let mut st = self.state.lock().unwrap();
-                let touches = self.touches.load(std::sync::atomic::Ordering::Relaxed);
-                if st.shadow.take() != Some((buf(x), m * k, touches)) {
-                    self.grow(&mut st.xbf, m * k * 2);
-                    launch!(self, self.k.f32_to_bf16, grid1(m * k, 256), (256, 1, 1); buf(x), st.xbf.ptr, (m * k) as i64);
-                    self.mark("matmul input to bf16");
-                }
+                let xb = self.bf16_input(x, m * k);
                 self.touch();
-                self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, st.xbf.ptr, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+                self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, xb, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
             }
             DType::F32 => {
                 self.touch();

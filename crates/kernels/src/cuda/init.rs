@@ -35,6 +35,8 @@ impl CudaDevice {
             lora_t: DevBuf::zeroed(&ctx, 0)?,
             lora_counters: DevBuf::zeroed(&ctx, 0)?,
             lora_delta: DevBuf::zeroed(&ctx, 0)?,
+            lora_ahead_t: DevBuf::zeroed(&ctx, 0)?,
+            lora_ahead: None,
             gemv_lora_ctr: DevBuf::zeroed(&ctx, 16)?,
             row_seq: None,
             tiles: (0, 0),
@@ -59,6 +61,26 @@ impl CudaDevice {
         let pdl = maj >= 9 && std::env::var_os("QUIVER_CUDA_PDL").is_none_or(|v| v != "0");
         let fuse_epilogues = std::env::var_os("QUIVER_CUDA_FUSE_EPILOGUES").is_none_or(|v| v != "0");
         let profiler_on = profiler.is_some();
+        // The shrink in the norm from 2 rows (one-row steps measured 1-4 points slower with it
+        // on the H200 than the GEMV computing its own shrink); `1` from one row, `0` never.
+        let lora_ahead_min_rows = match std::env::var("QUIVER_CUDA_LORA_AHEAD").as_deref() {
+            Ok("0") => None,
+            Ok("1") => Some(1),
+            Err(_) => Some(2),
+            Ok(v) => {
+                tracing::warn!("QUIVER_CUDA_LORA_AHEAD={v:?} is neither 0 nor 1: from two rows (the default)");
+                Some(2)
+            }
+        }
+        .filter(|_| maj >= 9);
+        let lora_row1_beside = match std::env::var("QUIVER_CUDA_LORA_ROW1").as_deref() {
+            Ok("beside") => true,
+            Ok("fold") | Err(_) => false,
+            Ok(v) => {
+                tracing::warn!("QUIVER_CUDA_LORA_ROW1={v:?} is neither fold nor beside: folding (the default)");
+                false
+            }
+        };
         Ok(CudaDevice {
             ordinal,
             sms,
@@ -85,6 +107,10 @@ impl CudaDevice {
             lora_fill_scratch: Mutex::new((Vec::new(), Vec::new())),
             lora_side: lora::SideStream::new(profiler_on)?,
             on_side: Default::default(),
+            lora_ahead_min_rows,
+            lora_ahead_launches: Default::default(),
+            lora_row1_beside,
+            lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),
         })
     }
 }

@@ -458,7 +458,8 @@ __device__ __forceinline__ void gemv_rows(const GemvEpilogue& e, int p, int n, i
 // grid (the host keeps P ≤ blocks). The last block to leave zeroes the counters for the next
 // launch (a recorded step replays this kernel). The sums do not depend on which block computed
 // which piece. Which slot (if any) and its rank are data: a recorded step replays for any
-// adapter, and a base row skips all of it.
+// adapter, and a base row skips all of it. With `ahead` the RMSNorm before computed t already
+// (lora_ahead.cu): no tickets, no pieces, no flag; the epilogue reads t at once.
 struct GemvLora {
     float* t;          // scratch: region 0 the final t (n·r), region 1 + z split z's partials (W = n·R)
     const bf16_t* A;   // (S, n·R, k)
@@ -468,6 +469,7 @@ struct GemvLora {
     const float* scal; // [slot][3]
     u32* ctr;          // [ticket, pieces done, t ready, blocks left], zero between launches
     int C, n_slices, R, b_ld, off1, off2, gy, splits, kc;
+    int ahead;         // t is already in region 0 (computed ahead, lora_ahead.cu): no pieces, no waiting
 };
 
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
@@ -564,11 +566,19 @@ __device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf
     int slot = 0, rk = 0;
     if (LORA) {
         if (L.G[0] > 0) slot = L.G[1 + 3 * L.C], rk = L.ranks[slot];
-        if (rk > 0) gemv_lora_piece(x, k, L, slot, L.n_slices * rk);
+        if (rk > 0 && !L.ahead) gemv_lora_piece(x, k, L, slot, L.n_slices * rk);
     }
-    // t of each slice at this lane's rank steps, loaded once the first pair needs it.
+    // t of each slice at this lane's rank steps, loaded once the first pair needs it (or at
+    // once when the norm computed it ahead: then the loads overlap the weight stream).
     float tv[3][2];
     bool have_t = false;
+    if (LORA && rk > 0 && L.ahead) {
+#pragma unroll
+        for (int j = 0; j < 3; j++)
+#pragma unroll
+            for (int q = 0; q < 2; q++) tv[j][q] = j < L.n_slices && lane + 32 * q < rk ? __ldcg(L.t + j * rk + lane + 32 * q) : 0.f;
+        have_t = true;
+    }
     while (live) {
         // The expand's operands that no kernel writes (Bᵀ of this warp's two columns, a rank
         // step per lane, and their slices' scalings) load now, so only t is left for the tail.
@@ -621,7 +631,7 @@ __device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf
             if (!have_t) {
                 // Every lane acquires the flag itself (one coalesced load), so its reads of t
                 // below are ordered after the reducer's writes.
-                while (ld_acquire(L.ctr + 2) == 0u) {
+                while (!L.ahead && ld_acquire(L.ctr + 2) == 0u) {
                 }
 #pragma unroll
                 for (int j = 0; j < 3; j++)
@@ -653,7 +663,7 @@ __device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf
         }
     }
     // The last block to leave zeroes the counters for the next launch.
-    if (LORA && rk > 0) {
+    if (LORA && rk > 0 && !L.ahead) {
         __syncthreads();
         if (threadIdx.x == 0 && atomicAdd(L.ctr + 3, 1u) == gridDim.x - 1) L.ctr[0] = 0, L.ctr[1] = 0, L.ctr[2] = 0, L.ctr[3] = 0;
     }
@@ -678,9 +688,9 @@ GEMV1_KERNEL(gemv1_rope_bf16, GV_ROPE)
              int inter_or_heads_qk, int head_dim, int max_pos,                                                                               \
              const u32* __restrict__ pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t,                                  \
              float* lt, const bf16_t* lA, const bf16_t* lB, const u32* lG, const u32* lranks, const float* lscal, u32* lctr,                 \
-             int lC, int ln_slices, int lR, int lb_ld, int loff1, int loff2, int lgy, int lsplits, int lkc) {                                \
+             int lC, int ln_slices, int lR, int lb_ld, int loff1, int loff2, int lgy, int lsplits, int lkc, int lahead) {                    \
         const GemvEpilogue e = {inter_or_heads_qk, inter_or_heads_qk, head_dim, max_pos, pos, cos_t, sin_t};                                 \
-        const GemvLora L = {lt, lA, lB, lG, lranks, lscal, lctr, lC, ln_slices, lR, lb_ld, loff1, loff2, lgy, lsplits, lkc};                 \
+        const GemvLora L = {lt, lA, lB, lG, lranks, lscal, lctr, lC, ln_slices, lR, lb_ld, loff1, loff2, lgy, lsplits, lkc, lahead};         \
         gemv1_body<MODE, true>(x, w, bias, y, n, k, e, L);                                                                                    \
     }
 GEMV1_LORA_KERNEL(gemv1_lora_bf16, GV_PLAIN)

@@ -100,7 +100,7 @@ pub(super) struct LoraSite {
     pub(super) scal: u64,
     pub(super) gp: u64,
     pub(super) cap: usize,
-    recording: bool,
+    pub(super) recording: bool,
 }
 
 /// Inputs per piece of the single-row GEMV's own shrink before it is widened to fit the grid:
@@ -115,6 +115,9 @@ pub(super) struct GemvLoraArgs {
     pub(super) gy: usize,
     pub(super) splits: usize,
     pub(super) kc: usize,
+    /// t is already in place (computed in the RMSNorm before, `lora_ahead.rs`): the GEMV
+    /// computes no pieces and waits for nothing.
+    pub(super) ahead: bool,
 }
 
 /// A launched shrink, for the consumer of its delta (the expand, or a GEMV that adds it):
@@ -200,6 +203,7 @@ impl CudaDevice {
         if rows <= DELTA_BESIDE_MAX_ROWS {
             self.grow(&mut st.lora_delta, rows * g.out.max(1) * 4);
         }
+        self.lora_ahead_reserve(st, rows, g.width);
     }
 
     /// A zeroed `rows × out` delta buffer, zeroed on the side stream (call inside
@@ -256,7 +260,7 @@ impl CudaDevice {
 
     /// What every LoRA launch of `call` needs: the packed groups on the device, the slot
     /// buffers and this site's table rows; `None` when the call has nothing to add.
-    fn lora_site(&self, st: &mut State, call: &LoraCall<'_>) -> Option<LoraSite> {
+    pub(super) fn lora_site(&self, st: &mut State, call: &LoraCall<'_>) -> Option<LoraSite> {
         let g = &call.groups;
         let cap = g.rows;
         let recording = self.recording.load(std::sync::atomic::Ordering::Relaxed);
@@ -298,7 +302,27 @@ impl CudaDevice {
         }
         let splits = k.div_ceil(kc);
         self.lora_scratch(&mut st, (1 + splits) * w, 0, site.recording);
-        Some(Some(GemvLoraArgs { t: st.lora_t.ptr, ctr: st.gemv_lora_ctr.ptr, site, gy, splits, kc }))
+        Some(Some(GemvLoraArgs { t: st.lora_t.ptr, ctr: st.gemv_lora_ctr.ptr, site, gy, splits, kc, ahead: false }))
+    }
+
+    /// [`Self::lora_gemv_args`] for a shrink computed ahead into `t`.
+    pub(super) fn lora_gemv_args_ahead(&self, call: &LoraCall<'_>, t: u64) -> Option<GemvLoraArgs> {
+        let mut st = self.state.lock().unwrap();
+        let site = self.lora_site(&mut st, call)?;
+        Some(GemvLoraArgs { t, ctr: st.gemv_lora_ctr.ptr, site, gy: 0, splits: 0, kc: 0, ahead: true })
+    }
+
+    /// Work-item blocks of the expand over `call`'s groups of `cap` rows: a fixed number when
+    /// recording (they loop over the items there are), else one per item.
+    pub(super) fn lora_expand_items(&self, call: &LoraCall<'_>, cap: usize, recording: bool) -> usize {
+        let g = &call.groups;
+        let zrows = expand_rows(cap, call.shape().shrink_width());
+        if recording {
+            cap.min(RECORDED_TILE_BLOCKS)
+        } else {
+            let n = g.packed[0] as usize;
+            g.packed[1 + 2 * cap..1 + 2 * cap + n].iter().map(|&r| (r as usize).div_ceil(zrows)).sum()
+        }
     }
 
     /// Launches the shrink of `call` (`t = x·Aᵀ` into the scratch, region 0 once the split
@@ -317,13 +341,7 @@ impl CudaDevice {
             return None;
         }
         // The expand's work items: `expand_rows` rows of a tile each.
-        let zrows = expand_rows(cap, w);
-        let items = if recording {
-            cap.min(RECORDED_TILE_BLOCKS)
-        } else {
-            let n = g.packed[0] as usize;
-            g.packed[1 + 2 * cap..1 + 2 * cap + n].iter().map(|&r| (r as usize).div_ceil(zrows)).sum()
-        };
+        let items = self.lora_expand_items(call, cap, recording);
         match x {
             LoraX::Dense(x) => {
                 let (klen, splits) = split_k(sh.in_dim);

@@ -88,6 +88,10 @@ struct State {
     lora_counters: DevBuf,
     /// `rows × out` LoRA deltas computed beside a GEMM for its epilogue to add (lora.rs).
     lora_delta: DevBuf,
+    /// A site's shrink computed in the RMSNorm before it, `[rows][n·R]` by position, and which
+    /// call it is for (`lora_ahead.rs`).
+    lora_ahead_t: DevBuf,
+    lora_ahead: Option<lora_ahead::Ahead>,
     /// The fused single-row LoRA GEMV's four counters (kernels.cu `GemvLora::ctr`): zero
     /// between launches, each launch's last warp zeroes them.
     gemv_lora_ctr: DevBuf,
@@ -139,6 +143,18 @@ pub struct CudaDevice {
     /// whether the launch being made goes there.
     lora_side: Option<lora::SideStream>,
     on_side: std::sync::atomic::AtomicBool,
+    /// Decode steps of at least this many rows compute qkv's and gate_up's LoRA shrink in the
+    /// RMSNorm before them (sm_90 clusters; `QUIVER_CUDA_LORA_AHEAD`: see init.rs and
+    /// `lora_ahead.rs`); `None`: never.
+    lora_ahead_min_rows: Option<usize>,
+    /// Norms launched with a site's shrink (eager or recorded; replays are not counted).
+    lora_ahead_launches: std::sync::atomic::AtomicU64,
+    /// One-row steps compute o_proj's and down_proj's delta beside the GEMV, into the residual
+    /// (`QUIVER_CUDA_LORA_ROW1=beside`), instead of in it (`fold`, the default).
+    lora_row1_beside: bool,
+    /// Long prompts' LoRA GEMMs write the delta before the base GEMM accumulates onto it
+    /// (`QUIVER_CUDA_LORA_GEMM_FIRST=0`: after, accumulating): see `lora_gemm.rs`.
+    lora_gemm_first: bool,
 }
 
 // SAFETY: the raw stream and function handles are used only under the device's discipline
@@ -151,13 +167,16 @@ macro_rules! launch {
     ($dev:expr, $f:expr, $grid:expr, $block:expr; $($arg:expr),* $(,)?) => {
         launch!($dev, $f, $grid, $block, smem = 0; $($arg),*)
     };
-    ($dev:expr, $f:expr, $grid:expr, $block:expr, smem = $smem:expr; $($arg:expr),* $(,)?) => {{
+    ($dev:expr, $f:expr, $grid:expr, $block:expr, smem = $smem:expr; $($arg:expr),* $(,)?) => {
+        launch!($dev, $f, $grid, $block, smem = $smem, cluster = 1; $($arg),*)
+    };
+    ($dev:expr, $f:expr, $grid:expr, $block:expr, smem = $smem:expr, cluster = $cluster:expr; $($arg:expr),* $(,)?) => {{
         let dev: &CudaDevice = $dev;
         let grid: (u32, u32, u32) = $grid;
         let block: (u32, u32, u32) = $block;
         // SAFETY: the arguments match the kernel's C signature (pointers as u64, int as i32,
         // float as f32, long as i64), and every pointer is a live device buffer of this context.
-        let r = unsafe { dev.launch_raw($f, grid, block, $smem, &mut [$(&mut { $arg } as *mut _ as *mut c_void),*]) };
+        let r = unsafe { dev.launch_raw($f, grid, block, $smem, $cluster, &mut [$(&mut { $arg } as *mut _ as *mut c_void),*]) };
         if let Err(e) = r {
             panic!("CUDA kernel launch failed on {}: {e:?}", dev.name);
         }
@@ -169,6 +188,7 @@ mod gemm;
 mod graphs;
 mod init;
 mod lora;
+mod lora_ahead;
 mod lora_gemm;
 mod lora_pool;
 mod memory;
@@ -233,19 +253,33 @@ impl CudaDevice {
     ///
     /// # Safety
     /// `params` must match `f`'s C signature, every pointer a live device buffer of this context.
-    unsafe fn launch_raw(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, params: &mut [*mut c_void]) -> Result<(), result::DriverError> {
+    /// `cluster` > 1: blocks in clusters of that many along x (sm_90; the kernel's grid is a
+    /// multiple of it).
+    unsafe fn launch_raw(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, cluster: u32, params: &mut [*mut c_void]) -> Result<(), result::DriverError> {
         self.touch();
         let stream = match &self.lora_side {
             Some(side) if self.on_side.load(std::sync::atomic::Ordering::Relaxed) => side.stream,
             _ => self.stream,
         };
-        if !self.pdl {
+        if !self.pdl && cluster <= 1 {
             return result::launch_kernel(f, grid, block, smem, stream, params);
         }
         // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
-        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+        let mut n = 0;
+        if self.pdl {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if cluster > 1 {
+            debug_assert!(grid.0.is_multiple_of(cluster));
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim.x = cluster;
+            attrs[n].value.clusterDim.y = 1;
+            attrs[n].value.clusterDim.z = 1;
+            n += 1;
+        }
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -255,8 +289,8 @@ impl CudaDevice {
             blockDimZ: block.2,
             sharedMemBytes: smem,
             hStream: stream,
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
         };
         sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()).result()
     }
@@ -443,6 +477,10 @@ impl Device for CudaDevice {
         self.mark("add_rms_norm");
     }
 
+    fn rms_norm_before_lora(&self, x: &mut Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor, next: &LoraCall<'_>) {
+        self.rms_norm_before_lora_impl(x, delta, w, eps, rows, dim, out, next)
+    }
+
     fn add_inplace(&self, resid: &mut Tensor, delta: &Tensor, len: usize) {
         self.bind();
         if len == 0 {
@@ -510,7 +548,8 @@ impl Device for CudaDevice {
     }
 
     fn stats(&self) -> Option<String> {
-        Some(self.graph_stats())
+        let ahead = self.lora_ahead_launches.load(std::sync::atomic::Ordering::Relaxed);
+        Some(format!("{}; LoRA shrinks computed in the norm: {ahead}", self.graph_stats()))
     }
 
     fn wait(&self) {

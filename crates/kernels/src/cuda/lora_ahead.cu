@@ -1,0 +1,148 @@
+// A LoRA site's shrink computed ahead, in the RMSNorm that makes its input (lora_ahead.rs).
+// Appended after lora.cu in the one NVRTC module (bf16 helpers, dot8, warp_sum, block_sum and
+// pdl_entry of kernels.cu are in scope).
+//
+// rms_norm / add_rms_norm of each row, fused with the shrink t = xn·Aᵀ of the site the row
+// feeds next. xn_k = h_k·inv·w_k with h = x (+ delta) and inv = 1/sqrt(mean(h²) + eps), so
+// t_j = inv · Σ_k h_k·w_k·A[slot][j][k]. A row is one cluster of LAH_CL blocks (sm_90), block q
+// owning inputs [q·dim/LAH_CL, (q+1)·dim/LAH_CL): it sums its slice's squares and its slice's
+// part of every t_j, the blocks swap those partials through distributed shared memory (one
+// cluster barrier), and each block adds all of them in block order, so no sum depends on timing.
+// A block reads and writes only its own slice of x, so `x += delta` needs no second pass and no
+// block can see another's half-updated row. Base rows (no position) are normed only.
+//
+// Everything before pdl_entry() is metadata staged before the step (the row's position and slot,
+// the slot's rank) and A (written only by slot loads, before the step): all of it is complete
+// before any kernel of the step starts, so this kernel fetches its A rows while its predecessor
+// (the projection making `delta`) still drains.
+//
+// Row r's position p = G[1 + 4C + r] and slot G[1 + 5C + r] (lora.rs `pack_tiles`); t is
+// written as the shrink writes it, [C][n·R] by position, slice j of a rank-r slot at j·r, so the
+// same consumers read it (the single-row GEMV's epilogue, lora_expand).
+
+#define LAH_CL 8          // blocks per row (a portable cluster size)
+#define LAH_THREADS 256   // threads per block
+#define LAH_MAX_SLICE 1024 // inputs per block at most: dim ≤ 8192
+#define LAH_MAX_W 192     // n·R at most (3 slices of rank 64)
+#define LAH_RG 4          // A rows a warp loads at once
+
+#define LAH_NO_POS 0xffffffffu
+
+__device__ __forceinline__ void cluster_barrier() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// `p` (this block's shared memory) as block `rank` of the cluster holds it.
+__device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
+    float v = 0.f;
+#if __CUDA_ARCH__ >= 900
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
+// grid (rows · LAH_CL), cluster (LAH_CL), LAH_THREADS threads. dim % (8 · LAH_CL) == 0,
+// n_slices · R ≤ LAH_MAX_W, and a block's slice dim / LAH_CL ≤ 256 · LAH_CPL inputs: the lanes
+// of a warp hold an A row's slice in LAH_CPL 16-byte loads each (the host picks the kernel).
+template <int LAH_CPL>
+__device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w,
+                                                     float* __restrict__ out, bf16_t* __restrict__ outb, int dim, float eps,
+                                                     const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks,
+                                                     int n_slices, int R, float* __restrict__ t) {
+    __shared__ __align__(16) float hw[LAH_MAX_SLICE]; // h·w over this block's slice
+    __shared__ float part[1 + LAH_MAX_W];              // [0] Σ h², [1 + j] this slice's part of t_j
+    __shared__ float sh[33];
+    const int r = blockIdx.x / LAH_CL;
+    const u32 q = blockIdx.x % LAH_CL; // the cluster is LAH_CL consecutive blocks along x
+    const int ks = dim / LAH_CL, k0 = q * ks;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const u32 pos = G[1 + 4 * C + r];
+    const u32 slot = pos == LAH_NO_POS ? 0 : G[1 + 5 * C + r];
+    const int nr = pos == LAH_NO_POS ? 0 : n_slices * (int)ranks[slot];
+    const int W = n_slices * R;
+    const int chunks = ks / 8; // 8-input chunks of the slice
+    // This warp's first LAH_RG A rows (j = warp + nw·i), loaded before waiting for the
+    // predecessor.
+    uint4 av[LAH_RG][LAH_CPL];
+#define LAH_LOAD_A(j0)                                                                                                \
+    _Pragma("unroll") for (int i = 0; i < LAH_RG; ++i) {                                                              \
+        const int j = (j0) + nw * i;                                                                                  \
+        const uint4* a = reinterpret_cast<const uint4*>(A + ((size_t)slot * W + min(j, max(nr - 1, 0))) * dim + k0); \
+        _Pragma("unroll") for (int c = 0; c < LAH_CPL; ++c) {                                                         \
+            const int ch = lane + 32 * c;                                                                             \
+            av[i][c] = j < nr && ch < chunks ? __ldg(a + ch) : make_uint4(0, 0, 0, 0);                                \
+        }                                                                                                             \
+    }
+    if (warp < nr) { LAH_LOAD_A(warp) }
+    pdl_entry();
+    const size_t base = (size_t)r * dim + k0;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < ks / 4; i += blockDim.x) {
+        float4 v = reinterpret_cast<const float4*>(x + base)[i];
+        if (delta) {
+            const float4 d = reinterpret_cast<const float4*>(delta + base)[i];
+            v.x += d.x, v.y += d.y, v.z += d.z, v.w += d.w;
+            reinterpret_cast<float4*>(x + base)[i] = v;
+        }
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        const float4 wv = reinterpret_cast<const float4*>(w + k0)[i];
+        reinterpret_cast<float4*>(hw)[i] = make_float4(v.x * wv.x, v.y * wv.y, v.z * wv.z, v.w * wv.w);
+    }
+    ss = block_sum(ss, sh); // its barriers also publish hw
+    if (threadIdx.x == 0) part[0] = ss;
+    // This slice's part of every t_j: a warp per A row, LAH_RG rows' loads in flight at once.
+    for (int j0 = warp; j0 < nr; j0 += nw * LAH_RG) {
+        if (j0 != warp) { LAH_LOAD_A(j0) }
+        float acc[LAH_RG];
+#pragma unroll
+        for (int i = 0; i < LAH_RG; ++i) acc[i] = 0.f;
+#pragma unroll
+        for (int c = 0; c < LAH_CPL; ++c) {
+            const int ch = lane + 32 * c;
+            if (ch < chunks) {
+                const float4 h0 = reinterpret_cast<const float4*>(hw)[2 * ch], h1 = reinterpret_cast<const float4*>(hw)[2 * ch + 1];
+#pragma unroll
+                for (int i = 0; i < LAH_RG; ++i) acc[i] = dot8(av[i][c], h0, h1, acc[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < LAH_RG; ++i) {
+            const float v = warp_sum(acc[i]);
+            if (lane == 0 && j0 + nw * i < nr) part[1 + j0 + nw * i] = v;
+        }
+    }
+    cluster_barrier(); // every block's partials are written and visible to the cluster
+    float tot = 0.f;
+    for (u32 b = 0; b < LAH_CL; ++b) tot += ld_cluster(&part[0], b);
+    const float inv = rsqrtf(tot / dim + eps);
+    for (int i = threadIdx.x; i < ks / 4; i += blockDim.x) {
+        // h again, from x (this thread wrote it) or x + delta.
+        float4 v = reinterpret_cast<const float4*>(x + base)[i];
+        const float4 wv = reinterpret_cast<const float4*>(w + k0)[i];
+        const float4 o = make_float4((v.x * inv) * wv.x, (v.y * inv) * wv.y, (v.z * inv) * wv.z, (v.w * inv) * wv.w);
+        reinterpret_cast<float4*>(out + base)[i] = o;
+        if (outb) store_bf16x4(outb + base + 4 * i, o);
+    }
+    for (int j = q + LAH_CL * threadIdx.x; j < nr; j += LAH_CL * blockDim.x) {
+        float s = 0.f;
+        for (u32 b = 0; b < LAH_CL; ++b) s += ld_cluster(&part[1 + j], b);
+        t[(size_t)pos * W + j] = s * inv;
+    }
+    cluster_barrier(); // no block leaves while another may still read its shared memory
+#undef LAH_LOAD_A
+}
+
+#define RMS_NORM_SHRINK(CPL)                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(LAH_THREADS) rms_norm_shrink_##CPL(                                                             \
+        float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, \
+        int dim, float eps, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, int n_slices, int R,  \
+        float* __restrict__ t) {                                                                                                                \
+        rms_norm_shrink_body<CPL>(x, delta, w, out, outb, dim, eps, A, G, C, ranks, n_slices, R, t);                                             \
+    }
+RMS_NORM_SHRINK(1)
+RMS_NORM_SHRINK(2)
+RMS_NORM_SHRINK(4)
