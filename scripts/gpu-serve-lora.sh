@@ -10,6 +10,8 @@
 #   SERVE_ADAPTERS   adapter counts besides 1 (default "16")
 #   SERVE_CONC       concurrencies (default "1 16 64")
 #   SERVE_PROMPTS    prompts per run = max(8, this × concurrency) (default 2)
+#   SERVE_PROFILE=1  the server prints where its engine thread's time goes (QUIVER_ENGINE_PROFILE);
+#                    each run's lines follow a marker in the server log, and are printed at the end
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
@@ -25,9 +27,11 @@ max_conc=1; for c in $concs; do [ "$c" -gt "$max_conc" ] && max_conc=$c; done
 files=("$DATA"/adapters/lora8b-r16-*)
 specs=(); for i in $(seq 0 $((max_ads - 1))); do specs+=("a$i=${files[$((i % ${#files[@]}))]}"); done
 port=8766
+[ "${SERVE_PROFILE:-0}" = 1 ] && export QUIVER_ENGINE_PROFILE=1
+: > "$LOGS/serve-lora.log"
 .gpu/bin/quiver serve --device cuda --dtype bf16 --model "$DATA/models/llama8b" --port $port --max-loras "$max_ads" \
     --max-lora-rank 16 --max-running-requests "$max_conc" --max-num-batched-tokens $((max_conc * 128 > 2048 ? max_conc * 128 : 2048)) \
-    --lora-modules "${specs[@]}" > "$LOGS/serve-lora.log" 2>&1 &
+    --lora-modules "${specs[@]}" >> "$LOGS/serve-lora.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
 for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
@@ -36,6 +40,7 @@ run() { # tag conc lora-names...
     local tag=$1 conc=$2; shift 2
     local n=$((conc * per > 8 ? conc * per : 8))
     local lora=(); [ $# -gt 0 ] && lora=(--lora-names "$@" --lora-distribution distinct)
+    echo "=== run $tag c$conc" >> "$LOGS/serve-lora.log"
     .gpu/bin/quiver bench serve --base-url "http://127.0.0.1:$port" --model llama8b --random-input-len 128 --random-output-len 128 \
         --random-range-ratio 1 --random-vocab-size 49000 --ignore-eos --num-prompts "$n" --max-concurrency "$conc" --warmup-requests "$conc" \
         --no-progress "${lora[@]}" --output-json "$DATA/serve/$tag-c$conc.json" > "$LOGS/serve-$tag-c$conc.log" 2>&1 \
@@ -66,3 +71,7 @@ for c in concs:
         ratio = s["output_throughput"] / b["output_throughput"] if b else float("nan")
         print(f"{tag:<10}{c:>6}{s['output_throughput']:>12.1f}{ratio:>9.3f}{s['tpot_ms']['median']:>13.2f}{s['ttft_ms']['p99']:>13.1f}{s['failed']:>8}")
 PY
+if [ "${SERVE_PROFILE:-0}" = 1 ]; then
+    echo "engine profile per run (server log, ms per step):"
+    grep -E "^=== run|engine profile" "$LOGS/serve-lora.log" | sed -E 's/quiver: engine profile, //' | tee -a "$OUT/serve-lora.txt"
+fi

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# A/B of the CUDA LoRA switches in real 8B-shaped steps, on the GPU machine after
+# scripts/gpu-lora.sh made the model (same $QUIVER_GPU_DATA): one `quiver bench lora --part step`
+# per setting, each an environment assignment (or "default"), printing the step-cost table of
+# each. The ratios compare within a run (base and adapter steps alternate); compare settings by
+# their ratios, not their absolute times.
+#
+#   GPU_AB          settings, space-separated (default: the defaults, then each switch off)
+#   GPU_AB_ROWS     decode rows (default "1,16,64,256"); GPU_AB_PREFILL prompt rows (default 2048)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
+LOGS=$DATA/logs
+mkdir -p "$LOGS"
+. scripts/gpu-env.sh
+settings=${GPU_AB:-default QUIVER_CUDA_LORA_AHEAD=0 QUIVER_CUDA_LORA_ROW1=beside QUIVER_CUDA_LORA_GEMM_FIRST=0}
+[ -f "$DATA/models/llama8b/config.json" ] || python3 scripts/gpu_models.py models "$DATA" .gpu/tok llama8b > "$LOGS/ab-models.log" 2>&1
+for s in $settings; do
+    env=(); [ "$s" = default ] || env=("$s")
+    log="$LOGS/ab-${s//[^A-Za-z0-9_]/_}.log"
+    env "${env[@]}" .gpu/bin/quiver bench lora --device cuda --dtype bf16 --part step --model "$DATA/models/llama8b" --ranks 16 \
+        --adapters 1,16 --rows "${GPU_AB_ROWS:-1,16,64,256}" --prefill "${GPU_AB_PREFILL:-2048}" --backends auto --steps 15 > "$log" 2>&1 \
+        || { echo "== $s: FAILED"; tail -n 20 "$log"; continue; }
+    echo "== $s"
+    grep -hE "^(backend|auto|CUDA graphs)" "$log"
+done
