@@ -39,6 +39,7 @@ pub(super) struct Kernels {
     pub(super) lora_shrink_ids: sys::CUfunction,
     pub(super) lora_expand: sys::CUfunction,
     pub(super) sample_rows: sys::CUfunction,
+    pub(super) resolve_drawn: sys::CUfunction,
 }
 
 impl Kernels {
@@ -73,6 +74,7 @@ impl Kernels {
             lora_shrink_ids: f("lora_shrink_ids")?,
             lora_expand: f("lora_expand")?,
             sample_rows: f("sample_rows")?,
+            resolve_drawn: f("resolve_drawn")?,
         };
         for (i, &pf) in k.prefill_attention.iter().enumerate() {
             let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;
