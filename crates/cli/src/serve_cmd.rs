@@ -104,6 +104,11 @@ pub struct ServeArgs {
     pub schedule_policy: Option<String>,
     #[arg(long)]
     pub disable_prefix_cache: bool,
+    /// Finish each step before scheduling the next (SGLang's flag). By default the next step is
+    /// queued on the device before the last one's tokens are collected, so scheduling and
+    /// streaming overlap the forward pass.
+    #[arg(long)]
+    pub disable_overlap_schedule: bool,
     #[arg(long, alias = "context-length")]
     pub max_model_len: Option<usize>,
 
@@ -213,6 +218,10 @@ pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
         c.schedule_policy = v.parse().map_err(|e: String| anyhow::anyhow!("--schedule-policy: {e}"))?;
     }
     c.disable_prefix_cache = a.disable_prefix_cache;
+    c.disable_overlap_schedule = a.disable_overlap_schedule;
+    if c.disable_overlap_schedule {
+        eprintln!("quiver: overlapped scheduling is off (--disable-overlap-schedule): each step finishes before the next is scheduled");
+    }
     c.max_model_len = a.max_model_len;
     c.lora_dir = a.lora_dir.clone();
     c.validate().map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -1,6 +1,8 @@
 //! Shared helpers for tests that need the real model and the HF reference data.
 #![allow(dead_code)]
 
+pub mod shown;
+
 use quiver_kernels::{open_device, DType, DeviceKind};
 use quiver_model::{load_model, LoadedModel};
 use serde::Deserialize;
