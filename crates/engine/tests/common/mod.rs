@@ -21,6 +21,13 @@ pub fn require(rel: &str) -> PathBuf {
     p
 }
 
+/// The directory `scripts/gpu_models.py` wrote on the GPU machine (`$QUIVER_GPU_DATA`).
+pub fn gpu_data_dir() -> PathBuf {
+    let d = std::env::var_os("QUIVER_GPU_DATA").map(PathBuf::from).expect("QUIVER_GPU_DATA must name the directory scripts/gpu_models.py wrote");
+    assert!(d.join("models").is_dir(), "{}: no models/ (run scripts/gpu_models.py first)", d.display());
+    d
+}
+
 pub fn smollm2_gguf() -> PathBuf {
     require("models/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
