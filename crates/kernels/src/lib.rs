@@ -342,9 +342,9 @@ pub trait Device: Send + Sync {
     fn sample_launch(&self, logits: &Tensor, vocab: usize, specs: &[sample::SampleSpec]) {
         self.host_draws().expect(NO_HOST_DRAWS).launch(self, logits, vocab, specs)
     }
-    /// The results of the last [`Device::sample_launch`] into `out[..specs]`, waiting for them
-    /// if they are not on the host yet (CUDA: they come down on the copy stream); at once on a
-    /// host device.
+    /// The results of the last [`Device::sample_launch`], one per spec, into the start of `out`,
+    /// waiting for them if they are not on the host yet (CUDA: they come down on the copy
+    /// stream); at once on a host device. The draws stay nameable until the next launch.
     fn sample_collect(&self, out: &mut [sample::SampleOut]) {
         self.host_draws().expect(NO_HOST_DRAWS).collect(out)
     }
