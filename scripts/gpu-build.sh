@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu-check.sh runs on the GPU machine into .gpu/ (gitignored): the quiver
-# binary and the three GPU test binaries, built with `--features cuda` (no CUDA needed to build),
+# binary and the GPU test binaries, built with `--features cuda` (no CUDA needed to build),
 # plus the tokenizer files the random models share.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu/bin .gpu/tok
 cargo build --release -p quiver --features cuda
 cp target/release/quiver .gpu/bin/
-for t in "quiver-kernels cuda_kernels" "quiver-kernels cuda_sample" "quiver-lora cuda_lora" "quiver-engine cuda_parity"; do
+for t in "quiver-kernels cuda_kernels" "quiver-kernels cuda_sample" "quiver-lora cuda_lora" "quiver-engine cuda_parity" "quiver-engine cuda_overlap"; do
     set -- $t
     exe=$(cargo test --release -p "$1" --features cuda --test "$2" --no-run --message-format=json 2>/dev/null \
         | python3 -c 'import sys,json

@@ -37,6 +37,8 @@ step kernel-tests .gpu/bin/cuda_kernels --ignored --test-threads 1 --nocapture
 step sample-tests .gpu/bin/cuda_sample --ignored --test-threads 1 --nocapture
 step lora-tests .gpu/bin/cuda_lora --ignored --test-threads 1 --nocapture
 [ "$parity" = 1 ] && step parity-tests .gpu/bin/cuda_parity --ignored --test-threads 1 --nocapture
+# Overlapped scheduling: the engine with overlap on against overlap off, and cancellations.
+[ "$parity" = 1 ] && step overlap-tests .gpu/bin/cuda_overlap --ignored --test-threads 1 --nocapture
 # LoRA on the GPU: the kernels of a whole 8B-shaped step (recorded and replayed) against the
 # copy bandwidth, then the cost of adapters in real 8B decode steps. GPU_CHECK_LORA=0 skips.
 if [ "${GPU_CHECK_LORA:-1}" = 1 ]; then
@@ -127,8 +129,8 @@ serve_smoke() {
 tail -n 3 "$LOGS/serve-smoke.log"; echo
 cp "$DATA"/bench-llama8b.json "$DATA"/bench-llama8b-eager.json "$DATA"/bench-qwen3-30b-a3b.json "$DATA"/ceilings.json "$DATA"/bench-lora-*.json "$OUT"/ 2>/dev/null
 grep -hE "rel err|relative error|max \|Δlogprob\||identical|diverge|matched|cosine" "$LOGS/kernel-tests.log" "$LOGS/lora-tests.log" "$LOGS/parity-tests.log" > "$OUT/accuracy.txt" 2>/dev/null
-grep -E "test result|panicked" "$LOGS/kernel-tests.log" "$LOGS/lora-tests.log" "$LOGS/parity-tests.log"
-for f in parity-tests; do echo "--- $f"; grep -hE "max \|Δlogprob\| per prompt|requests identical|peft on cuda: .*(over every|greedy identical)" "$LOGS/$f.log"; done
+grep -E "test result|panicked" "$LOGS/kernel-tests.log" "$LOGS/lora-tests.log" "$LOGS/parity-tests.log" "$LOGS/overlap-tests.log"
+for f in parity-tests overlap-tests; do echo "--- $f"; grep -hE "max \|Δlogprob\| per prompt|requests identical|identical with overlap|steps overlapped|peft on cuda: .*(over every|greedy identical)" "$LOGS/$f.log"; done
 tail -n 8 "$LOGS/bench-8b.log"
 grep -h "gemv bandwidth" "$LOGS/kernel-tests.log"
 [ -f "$DATA/bench-llama8b.json" ] && python3 scripts/gpu_models.py summary "$DATA" 2>&1 | tee "$OUT/summary.txt"

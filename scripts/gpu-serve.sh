@@ -9,7 +9,8 @@
 #
 #   SERVE_CONC       concurrencies (default "1 16 64 256")
 #   SERVE_PROMPTS    prompts per run = max(8, this × concurrency) (default 3)
-#   SERVE_ARGS       extra `quiver serve` arguments
+#   SERVE_ARGS       extra `quiver serve` arguments (`--disable-overlap-schedule`: the engine
+#                    without overlapped scheduling, for an A/B against the default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}

@@ -104,6 +104,11 @@ pub struct ServeArgs {
     pub schedule_policy: Option<String>,
     #[arg(long)]
     pub disable_prefix_cache: bool,
+    /// Finish each step before scheduling the next (SGLang's flag). By default the next step is
+    /// queued on the device before the last one's tokens are collected, so scheduling and
+    /// streaming overlap the forward pass.
+    #[arg(long)]
+    pub disable_overlap_schedule: bool,
     #[arg(long, alias = "context-length")]
     pub max_model_len: Option<usize>,
 
@@ -213,6 +218,15 @@ pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
         c.schedule_policy = v.parse().map_err(|e: String| anyhow::anyhow!("--schedule-policy: {e}"))?;
     }
     c.disable_prefix_cache = a.disable_prefix_cache;
+    c.disable_overlap_schedule = a.disable_overlap_schedule;
+    if c.disable_overlap_schedule {
+        eprintln!("quiver: overlapped scheduling is off (--disable-overlap-schedule): each step finishes before the next is scheduled");
+    } else if matches!(a.device, DeviceKind::Cuda(_)) && std::env::var("QUIVER_OVERLAP_SCHEDULE").as_deref() != Ok("1") {
+        // Its CUDA side (draws collected on the copy stream, the next step's ids resolved on the
+        // GPU) has passed every CPU and OpenCL check but has not run on a GPU yet.
+        c.disable_overlap_schedule = true;
+        eprintln!("quiver: overlapped scheduling is off on CUDA until its GPU checks have run (QUIVER_OVERLAP_SCHEDULE=1 turns it on)");
+    }
     c.max_model_len = a.max_model_len;
     c.lora_dir = a.lora_dir.clone();
     c.validate().map_err(|e| anyhow::anyhow!("{e}"))?;

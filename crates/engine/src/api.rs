@@ -222,6 +222,9 @@ pub struct EngineStats {
     pub generated_tokens: u64,
     /// Prompt tokens run through the model (recomputation included; prefix hits excluded).
     pub prefill_tokens: u64,
+    /// Steps whose draws were still in flight when the next step was queued (overlapped
+    /// scheduling); the others ran to their end first.
+    pub overlapped_steps: u64,
 }
 
 /// Engine internals for leak checks and diagnostics (a round trip to the engine thread).

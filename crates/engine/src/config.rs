@@ -63,6 +63,10 @@ pub struct EngineConfig {
     pub max_queued_requests: usize,
     pub schedule_policy: SchedulePolicy,
     pub disable_prefix_cache: bool,
+    /// Run every step to the end before scheduling the next (SGLang's
+    /// `--disable-overlap-schedule`). By default step N+1 is queued on the device before step
+    /// N's tokens are collected, so the host's scheduling and streaming overlap the forward.
+    pub disable_overlap_schedule: bool,
     /// Context window; `None` = the model's.
     pub max_model_len: Option<usize>,
     /// Aging: once the oldest waiting request has waited this many steps, admission becomes
@@ -93,6 +97,7 @@ impl Default for EngineConfig {
             max_queued_requests: 1024,
             schedule_policy: SchedulePolicy::Fcfs,
             disable_prefix_cache: false,
+            disable_overlap_schedule: false,
             max_model_len: None,
             aging_steps: 32,
             lora_dir: None,

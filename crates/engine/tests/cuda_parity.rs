@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::{alone, max_logprob_delta, oracle_manager, prompt, top20_case, RefCase, RefFile};
+use common::{alone, gpu_data_dir, max_logprob_delta, oracle_manager, prompt, top20_case, RefCase, RefFile};
 use quiver_engine::testing::{temp_dir, write_random_adapter};
 use quiver_engine::{BaseOnly, Engine, EngineConfig, GenerateRequest, Generator};
 use quiver_kernels::{open_device, DType, DeviceKind};
@@ -28,19 +28,13 @@ use std::path::PathBuf;
 /// Tolerance of the issue: bf16 weights and KV against float32.
 const TOL: f32 = 0.1;
 
-fn data_dir() -> PathBuf {
-    let d = std::env::var_os("QUIVER_GPU_DATA").map(PathBuf::from).expect("QUIVER_GPU_DATA must name the directory scripts/gpu_models.py wrote");
-    assert!(d.join("models").is_dir(), "{}: no models/ (run scripts/gpu_models.py first)", d.display());
-    d
-}
-
 fn load_on(name: &str, device: DeviceKind, dtype: DType) -> LoadedModel {
-    let p = data_dir().join("models").join(name);
+    let p = gpu_data_dir().join("models").join(name);
     load_model(&p, open_device(device).unwrap_or_else(|e| panic!("{e:#}")), dtype).unwrap_or_else(|e| panic!("loading {}: {e:#}", p.display()))
 }
 
 fn read_ref(name: &str) -> RefFile {
-    let p = data_dir().join("ref").join(format!("{name}.json"));
+    let p = gpu_data_dir().join("ref").join(format!("{name}.json"));
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
 }
 
@@ -136,7 +130,7 @@ fn peft_adapters_mixed_batch_on_cuda_match_transformers() {
     let vocab = m.config.vocab_size;
     let cfg = LoraConfig { max_loras_per_batch: 8, max_lora_rank: 16, target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
     let mut mgr = LoraManager::new(m.lora_dims(), cfg, m.device.clone()).unwrap();
-    let keys: Vec<AdapterKey> = GPU_ADAPTERS.iter().map(|a| mgr.load_adapter(a, data_dir().join("adapters").join(a)).unwrap_or_else(|e| panic!("{a}: {e}"))).collect();
+    let keys: Vec<AdapterKey> = GPU_ADAPTERS.iter().map(|a| mgr.load_adapter(a, gpu_data_dir().join("adapters").join(a)).unwrap_or_else(|e| panic!("{a}: {e}"))).collect();
     let refs: Vec<RefFile> = GPU_ADAPTERS.iter().map(|a| read_ref(&format!("llama-gpu-{a}"))).collect();
     let base = read_ref("llama-gpu");
     let mut worst: Vec<f32> = vec![0.0; GPU_ADAPTERS.len() + 1];
@@ -346,8 +340,8 @@ fn embeddings_bf16_on_cuda_match_transformers() {
     struct Ref {
         cases: Vec<Case>,
     }
-    let path = data_dir().join("models").join("qwen3-embed-gpu");
-    let r: Ref = serde_json::from_str(&std::fs::read_to_string(data_dir().join("ref").join("qwen3-embed-gpu.json")).unwrap()).unwrap();
+    let path = gpu_data_dir().join("models").join("qwen3-embed-gpu");
+    let r: Ref = serde_json::from_str(&std::fs::read_to_string(gpu_data_dir().join("ref").join("qwen3-embed-gpu.json")).unwrap()).unwrap();
     let lm = load_on("qwen3-embed-gpu", DeviceKind::Cuda(0), DType::Bf16);
     let spec = quiver_model::EmbeddingSpec::for_model(&path, lm.model.config.hidden_size).unwrap();
     assert!(spec.fallback.is_none());

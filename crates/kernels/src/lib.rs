@@ -317,6 +317,8 @@ pub fn epilogue_after_matmul<D: Device + ?Sized>(d: &D, x: &Tensor, m: usize, w:
     }
 }
 
+const NO_HOST_DRAWS: &str = "a device that keeps no host draws must override sample_launch, sample_collect and resolve_drawn";
+
 /// The ops a model needs. One implementation per device; the model holds `Arc<dyn Device>`.
 pub trait Device: Send + Sync {
     fn kind(&self) -> DeviceKind;
@@ -326,19 +328,39 @@ pub trait Device: Send + Sync {
     /// Copy the first `len` floats to host memory.
     fn to_host(&self, t: &Tensor, len: usize, out: &mut [f32]);
     /// Draws one token per spec from `logits` (`[rows, vocab]` as the forward left them; see
-    /// [`sample`] for the semantics every device shares), with its logprobs when asked. Only the
-    /// results cross to the host. This default copies the rows to the host and draws there.
+    /// [`sample`] for the semantics every device shares), with its logprobs when asked: a
+    /// [`Device::sample_launch`] and its [`Device::sample_collect`]. Only the results cross to
+    /// the host.
     fn sample(&self, logits: &Tensor, vocab: usize, specs: &[sample::SampleSpec], out: &mut [sample::SampleOut]) {
-        thread_local! {
-            static HOST: std::cell::RefCell<(Vec<f32>, Vec<(f32, u32)>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
-        }
-        let rows = specs.iter().map(|s| s.row as usize + 1).max().unwrap_or(0);
-        HOST.with(|h| {
-            let (l, scratch) = &mut *h.borrow_mut();
-            l.resize(rows * vocab, 0.0);
-            self.to_host(logits, rows * vocab, l);
-            sample::sample_rows_host(l, vocab, specs, out, scratch);
-        });
+        self.sample_launch(logits, vocab, specs);
+        self.sample_collect(&mut out[..specs.len()]);
+    }
+    /// Queues the draws of [`Device::sample`] behind the work queued so far, without waiting for
+    /// them: a later step's ids may name them ([`sample::DRAWN`]) before the host has them. At
+    /// most one launch is outstanding: collect it before the next. A host device draws here
+    /// ([`sample::HostDraws`]).
+    fn sample_launch(&self, logits: &Tensor, vocab: usize, specs: &[sample::SampleSpec]) {
+        self.host_draws().expect(NO_HOST_DRAWS).launch(self, logits, vocab, specs)
+    }
+    /// The results of the last [`Device::sample_launch`], one per spec, into the start of `out`,
+    /// waiting for them if they are not on the host yet (CUDA: they come down on the copy
+    /// stream); at once on a host device. The draws stay nameable until the next launch.
+    fn sample_collect(&self, out: &mut [sample::SampleOut]) {
+        self.host_draws().expect(NO_HOST_DRAWS).collect(out)
+    }
+    /// Called by the forward after [`Device::stage_batch`], before any op reads the step's ids:
+    /// every `DRAWN | i` in `ids` becomes the token drawn for spec `i` of the last
+    /// [`Device::sample_launch`], where the step's ops read ids. A host device writes the
+    /// resolved ids into `resolved` and returns them (or `ids` when it names no draw); CUDA
+    /// patches its staged copy of `ids` with a gather from the draws' device buffer, queued
+    /// behind the draw, and returns `ids`. The ops of the step then take the returned slice.
+    fn resolve_drawn<'a>(&self, ids: &'a [u32], resolved: &'a mut Vec<u32>) -> &'a [u32] {
+        self.host_draws().expect(NO_HOST_DRAWS).resolve(ids, resolved)
+    }
+    /// Where a device that draws on the host keeps its draws between launch and collect (the
+    /// defaults of the three ops above use it); `None` for a device that overrides them.
+    fn host_draws(&self) -> Option<&sample::HostDraws> {
+        None
     }
     /// Copy host data into the start of `t`.
     fn upload(&self, data: &[f32], t: &mut Tensor);

@@ -15,9 +15,20 @@
 //!   token-id order, whose running mass exceeds `r`.
 //!
 //! Devices may differ only where `exp` rounds differently in the last place.
+//!
+//! A draw is launched and collected apart ([`Device::sample_launch`], [`Device::sample_collect`]),
+//! so a device that computes asynchronously can run the next step before the host has the
+//! tokens: that step's input names them as [`DRAWN`] ids, resolved on the device.
+
+use crate::{Device, Tensor};
 
 /// How many top alternatives a device returns with a token (OpenAI's and vLLM's maximum).
 pub const TOP_LOGPROBS_MAX: usize = 20;
+
+/// A step's input id may stand for a draw the host has not seen yet: `DRAWN | i` is the token
+/// drawn for spec `i` of the device's last [`Device::sample_launch`], replaced by
+/// [`Device::resolve_drawn`] before the embedding reads it. Vocabulary ids stay below 2^31.
+pub const DRAWN: u32 = 1 << 31;
 
 /// One token to draw from one row of a `[rows, vocab]` logits buffer.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -188,6 +199,77 @@ pub fn logprobs_into(logits: &[f32], token: u32, n: usize, out: &mut SampleOut, 
     }
 }
 
+/// The sampling op on a device that draws on the host (the CPU; OpenCL reads the rows back
+/// first): [`Device::sample_launch`] draws at once and keeps the results here until
+/// [`Device::sample_collect`] hands them out, and [`Device::resolve_drawn`] reads the tokens
+/// from here. Buffers only grow: a steady step allocates nothing.
+#[derive(Default)]
+pub struct HostDraws {
+    state: std::sync::Mutex<HostDrawState>,
+}
+
+#[derive(Default)]
+struct HostDrawState {
+    /// The rows read back from a device that keeps its logits in its own memory.
+    logits: Vec<f32>,
+    scratch: Vec<(f32, u32)>,
+    /// The last launch's results (the first `n`), and whether they were collected.
+    outs: Vec<SampleOut>,
+    n: usize,
+    pending: bool,
+}
+
+impl HostDraws {
+    /// [`Device::sample_launch`]: draws `specs` from `logits` now.
+    pub fn launch<D: Device + ?Sized>(&self, dev: &D, logits: &Tensor, vocab: usize, specs: &[SampleSpec]) {
+        let mut st = self.state.lock().unwrap();
+        assert!(!st.pending, "sample_launch: the previous launch's results were not collected");
+        let HostDrawState { logits: host, scratch, outs, n, pending } = &mut *st;
+        if outs.len() < specs.len() {
+            outs.resize(specs.len(), SampleOut::default());
+        }
+        let rows = specs.iter().map(|s| s.row as usize + 1).max().unwrap_or(0);
+        if logits.is_host() {
+            sample_rows_host(logits.as_cpu(), vocab, specs, outs, scratch);
+        } else {
+            host.resize(rows * vocab, 0.0);
+            dev.to_host(logits, rows * vocab, host);
+            sample_rows_host(host, vocab, specs, outs, scratch);
+        }
+        *n = specs.len();
+        *pending = true;
+    }
+
+    /// [`Device::sample_collect`]: the last launch's results into `out[..n]`.
+    pub fn collect(&self, out: &mut [SampleOut]) {
+        let mut st = self.state.lock().unwrap();
+        assert!(st.pending, "sample_collect without a launch to collect");
+        st.pending = false;
+        let n = st.n;
+        assert!(out.len() >= n, "sample_collect: {} outputs for {n} draws", out.len());
+        out[..n].copy_from_slice(&st.outs[..n]);
+    }
+
+    /// [`Device::resolve_drawn`]: `ids` with every `DRAWN | i` replaced by the token of draw
+    /// `i` of the last launch (in `resolved`), or `ids` itself when it names no draw.
+    pub fn resolve<'a>(&self, ids: &'a [u32], resolved: &'a mut Vec<u32>) -> &'a [u32] {
+        if !ids.iter().any(|&t| t & DRAWN != 0) {
+            return ids;
+        }
+        let st = self.state.lock().unwrap();
+        resolved.clear();
+        resolved.extend(ids.iter().map(|&t| {
+            if t & DRAWN == 0 {
+                return t;
+            }
+            let i = (t & !DRAWN) as usize;
+            assert!(i < st.n, "token id names draw {i} of a launch of {}", st.n);
+            st.outs[i].token
+        }));
+        resolved
+    }
+}
+
 /// The host implementation of the op over `[rows, vocab]` logits in host memory.
 pub fn sample_rows_host(logits: &[f32], vocab: usize, specs: &[SampleSpec], out: &mut [SampleOut], scratch: &mut Vec<(f32, u32)>) {
     for (s, o) in specs.iter().zip(out.iter_mut()) {
@@ -261,6 +343,23 @@ mod tests {
         let b: Vec<u32> = (0..64).map(|c| draw(&l, &spec(0.8, 40, 0.9, 0.01, c), &mut s)).collect();
         assert_eq!(a, b);
         assert!(a.iter().any(|&t| t != a[0]));
+    }
+
+    #[test]
+    fn host_draws_resolve_ids_naming_the_last_launch() {
+        let d = crate::cpu::CpuDevice::new();
+        let logits = crate::Tensor::cpu(vec![0.0, 3.0, 1.0, /* row 1 */ 2.0, 0.0, 1.0]);
+        let specs = [SampleSpec { row: 1, ..spec(0.0, 0, 1.0, 0.0, 0) }, SampleSpec { row: 0, ..spec(0.0, 0, 1.0, 0.0, 0) }];
+        d.sample_launch(&logits, 3, &specs);
+        let mut resolved = Vec::new();
+        assert_eq!(d.resolve_drawn(&[7, DRAWN | 1, DRAWN], &mut resolved), &[7, 1, 0]);
+        let plain = [7, 8];
+        assert!(std::ptr::eq(d.resolve_drawn(&plain, &mut resolved), &plain[..]), "ids naming no draw are used as they are");
+        let mut out = [SampleOut::default(); 2];
+        d.sample_collect(&mut out);
+        assert_eq!((out[0].token, out[1].token), (0, 1));
+        // The draws stay resolvable after the collect, until the next launch.
+        assert_eq!(d.resolve_drawn(&[DRAWN | 1], &mut resolved), &[1]);
     }
 
     #[test]

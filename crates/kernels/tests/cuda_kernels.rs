@@ -33,6 +33,12 @@ fn embedding_and_gather_match_cpu() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn drawn_ids_resolve_to_the_last_draws() {
+    device_kernels::drawn_ids_resolve_to_the_last_draws(&gpu());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn norms_and_elementwise_match_cpu() {
     device_kernels::norms_and_elementwise_match_cpu(&gpu());
 }

@@ -29,6 +29,11 @@ fn embedding_and_gather_match_cpu() {
 }
 
 #[test]
+fn drawn_ids_resolve_to_the_last_draws() {
+    device_kernels::drawn_ids_resolve_to_the_last_draws(&testing::device(KernelSet::Portable));
+}
+
+#[test]
 fn norms_and_elementwise_match_cpu() {
     device_kernels::norms_and_elementwise_match_cpu(&testing::device(KernelSet::Portable));
 }

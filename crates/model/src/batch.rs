@@ -14,7 +14,9 @@ pub enum LogitsFor {
 
 #[derive(Default, Debug)]
 pub struct ForwardBatch {
-    /// New token ids of all sequences, concatenated.
+    /// New token ids of all sequences, concatenated. An id `sample::DRAWN | i` stands for the
+    /// token drawn for spec `i` of the device's last sample launch, not yet on the host; the
+    /// device fills it in before the embedding (`Device::resolve_drawn`).
     pub tokens: Vec<u32>,
     /// Absolute position of each new token.
     pub positions: Vec<u32>,

@@ -61,6 +61,9 @@ pub struct Workspace {
     /// Host copy of the final-normed hidden states of the requested rows, `[rows, hidden]`
     /// ([`LlamaModel::forward_hidden`]).
     pub host_hidden: Vec<f32>,
+    /// The step's token ids with the draws they name filled in, on a device that reads ids on
+    /// the host (`Device::resolve_drawn`).
+    resolved_ids: Vec<u32>,
 }
 
 /// What a forward pass returns for its `logits_rows`.
@@ -140,6 +143,7 @@ impl LlamaModel {
             moe: None,
             host_logits: Vec::new(),
             host_hidden: Vec::new(),
+            resolved_ids: Vec::new(),
         };
         self.ensure_workspace(&mut ws, max_tokens, max_rows, head);
         ws
@@ -159,6 +163,7 @@ impl LlamaModel {
             ws.gate_up = d.alloc(t * 2 * c.intermediate_size);
             ws.act = d.alloc(t * c.intermediate_size);
             ws.moe = c.moe.as_ref().map(|mc| MoeWorkspace::new(&**d, mc, c.hidden_size, t));
+            ws.resolved_ids = Vec::with_capacity(t);
             ws.max_tokens = t;
         }
         if out_rows > ws.max_out_rows {
@@ -198,6 +203,17 @@ impl LlamaModel {
         self.device.sample(&ws.logits, self.config.vocab_size, specs, out);
     }
 
+    /// [`Self::sample`] without waiting: the results come from [`Self::sample_collect`], and a
+    /// later step's ids may name them (`sample::DRAWN`, `Device::sample_launch`).
+    pub fn sample_launch(&self, ws: &Workspace, specs: &[quiver_kernels::sample::SampleSpec]) {
+        self.device.sample_launch(&ws.logits, self.config.vocab_size, specs);
+    }
+
+    /// The results of the last [`Self::sample_launch`] into `out`, waiting for them if needed.
+    pub fn sample_collect(&self, out: &mut [quiver_kernels::sample::SampleOut]) {
+        self.device.sample_collect(out);
+    }
+
     /// Runs one batched step, leaving the logits of `batch.logits_rows` on the device in
     /// `ws.logits` (`[rows, vocab]`): for sampling there, or [`Self::logits_to_host`].
     pub fn forward_on_device(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &mut Workspace, lora: &dyn LoraHook) {
@@ -234,6 +250,8 @@ impl LlamaModel {
         };
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         d.stage_batch(&batch.tokens, &attn_batch, &batch.logits_rows, &lora.staged());
+        // Ids naming the last step's draws (`sample::DRAWN`) get their tokens, on the device.
+        let ids = d.resolve_drawn(&batch.tokens, &mut ws.resolved_ids);
 
         // Launches depend only on the batch's layout (and on whether LoRA kernels run, and on the
         // head), so equal layouts may replay a recording (CUDA graphs): which adapters the rows
@@ -241,9 +259,9 @@ impl LlamaModel {
         let head_key = if head_kind == Head::Hidden { 0x9E37_79B9_7F4A_7C15 } else { 0 };
         let shape = Some(batch.shape_key() ^ lora.shape_key() ^ head_key);
         d.run_step(m, shape, &mut || {
-            d.embedding(&self.embed, &batch.tokens, &mut ws.x);
+            d.embedding(&self.embed, ids, &mut ws.x);
             if lora_on {
-                lora.embedding(d, &batch.tokens, &mut ws.x);
+                lora.embedding(d, ids, &mut ws.x);
             }
             for (li, l) in self.layers.iter().enumerate() {
                 // The norm making a projection's input goes through the hook too, so a device

@@ -9,6 +9,10 @@
 //! 3. One forward over the varlen batch (decode rows + prefill chunks, mixed adapters).
 //! 4. Sample per sequence (its own seeded RNG), stream text, finish, free blocks.
 //!
+//! With overlap on (the default, `overlap.rs`), step N+1 is scheduled and queued on the device
+//! before step N's draws are collected: the host accepts N's tokens, streams them and ends
+//! finished requests while N+1 runs.
+//!
 //! # Admission limits
 //! - running sequences ≤ `max_running_requests` (a request with `n` samples reserves `n`);
 //! - distinct adapters among **running** sequences ≤ `max_loras_per_batch`, pinned slots
@@ -55,8 +59,10 @@ use tokio::sync::oneshot;
 
 mod adapters;
 mod profile;
+mod draw;
 mod embed;
 mod handle;
+mod overlap;
 mod prompt_logprobs;
 mod requests;
 mod schedule;
@@ -67,6 +73,28 @@ use embed::{EmbedJob, EmbedState};
 
 /// A draw made on the host (see `Core::draws_on_device`).
 const HOST_DRAW: u32 = u32::MAX;
+
+/// One token to draw this step: the sequence (and its `uid`, so a slot reused since is never
+/// mistaken for it), the logits row, and its index among the device's specs or `HOST_DRAW`.
+#[derive(Clone, Copy)]
+struct Draw {
+    seq: usize,
+    uid: u64,
+    row: usize,
+    spec: u32,
+}
+
+/// A prompt row of this step that scores prompt tokens or ends the prompt (see `Core::draw`):
+/// its sequence, first logits row, the chunk `[start, end)`, and what it needs.
+#[derive(Clone, Copy)]
+struct PromptRows {
+    seq: usize,
+    row: usize,
+    start: usize,
+    end: usize,
+    scored: bool,
+    wants_token: bool,
+}
 
 pub(crate) enum Msg {
     Submit(Box<NewRequest>),
@@ -194,6 +222,11 @@ impl Engine {
         anyhow::ensure!(num_blocks >= 2, "kv_cache_memory is too small: one block of {bs} tokens takes {bpb} bytes");
         let kv = model.alloc_kv(num_blocks, bs);
         tracing::info!(num_blocks, block_size = bs, bytes = num_blocks * bpb, max_model_len, "allocated paged KV cache");
+        // Embedding steps draw nothing: there is no next step's input to run ahead with.
+        let overlap = !cfg.disable_overlap_schedule && embedding.is_none();
+        if !overlap && embedding.is_none() {
+            tracing::info!("overlapped scheduling is off: every step finishes before the next is scheduled");
+        }
         let shared = Arc::new(Shared {
             tokenizer: tokenizer.clone(),
             vocab: c.vocab_size,
@@ -267,6 +300,10 @@ impl Engine {
             logits_buf: Vec::new(),
             work_buf: Vec::new(),
             to_sample: Vec::new(),
+            prompt_rows: Vec::new(),
+            in_flight: Vec::new(),
+            overlap,
+            next_uid: 1,
             guided_buf: Vec::new(),
             specs: Vec::new(),
             sampled: Vec::new(),
@@ -318,6 +355,10 @@ struct Req {
 struct Seq {
     req: usize,
     index: usize,
+    /// Unique over the engine's life (set by `new_seq`): slots are reused.
+    uid: u64,
+    /// Prompt and generated tokens; with overlap, the last may be a draw still on the device
+    /// (`sample::DRAWN`, see `overlap.rs`).
     tokens: Vec<u32>,
     num_computed: usize,
     blocks: Vec<BlockId>,
@@ -349,6 +390,7 @@ struct Counters {
     preemptions: u64,
     generated: u64,
     prefill_tokens: u64,
+    overlapped_steps: u64,
 }
 
 struct Core {
@@ -387,8 +429,15 @@ struct Core {
     match_buf: Vec<BlockId>,
     logits_buf: Vec<f32>,
     work_buf: Vec<f32>,
-    /// This step's draws: (sequence, logits row, index into `specs` or `HOST_DRAW`).
-    to_sample: Vec<(usize, usize, u32)>,
+    /// This step's draws, and its prompt rows that score or end a prompt.
+    to_sample: Vec<Draw>,
+    prompt_rows: Vec<PromptRows>,
+    /// The draws of the step in flight (launched, not collected), in spec order: sequence and
+    /// uid. Empty when nothing is in flight.
+    in_flight: Vec<(usize, u64)>,
+    /// Queue step N+1 before collecting step N (`EngineConfig::disable_overlap_schedule`).
+    overlap: bool,
+    next_uid: u64,
     /// This step's constrained draws (see `prepare_masks`).
     guided_buf: Vec<usize>,
     /// The draws made on the model's device, and their results.
@@ -424,7 +473,7 @@ impl Core {
     }
 
     fn has_work(&self) -> bool {
-        !self.running.is_empty() || !self.waiting.is_empty()
+        !self.running.is_empty() || !self.waiting.is_empty() || !self.in_flight.is_empty()
     }
 
     fn run(mut self, rx: Receiver<Msg>) {

@@ -1,7 +1,9 @@
 //! Where the engine thread's time goes, step by step (`QUIVER_ENGINE_PROFILE=1`): the phases of
 //! a step and the work between steps, averaged and printed to stderr every 256 steps. On a GPU the forward
 //! only queues work and the draw waits for it, so `draw` is the device time the host did not
-//! overlap and everything else is host time the device may have idled through.
+//! overlap and everything else is host time the device may have idled through. With overlapped
+//! scheduling `draw` is mostly the wait for the previous step's draws (collected once this
+//! step is queued), `emit` their acceptance, and the device runs through the other phases.
 
 use std::time::Instant;
 

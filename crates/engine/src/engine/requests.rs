@@ -44,6 +44,7 @@ impl Core {
         let si = self.new_seq(Seq {
             req: ri,
             index: 0,
+            uid: 0,
             detok: Detok::new(prompt_len, req.skip_special_tokens),
             tokens: req.prompt,
             num_computed: 0,
@@ -89,7 +90,9 @@ impl Core {
         self.waiting.push_back(si);
     }
 
-    pub(super) fn new_seq(&mut self, s: Seq) -> usize {
+    pub(super) fn new_seq(&mut self, mut s: Seq) -> usize {
+        s.uid = self.next_uid;
+        self.next_uid += 1;
         match self.free_seqs.pop() {
             Some(i) => {
                 self.seqs[i] = Some(s);
@@ -189,7 +192,8 @@ impl Core {
         self.free_seqs.push(si);
         let ri = seq.req;
         let r = self.req_mut(ri);
-        let completion = seq.tokens.len() - r.prompt_len;
+        // A draw still in flight was never shown.
+        let completion = seq.tokens.len() - r.prompt_len - usize::from(seq.draw_in_flight());
         let _ = r.tx.send(StreamEvent::Finished { index: seq.index, reason, stop_reason: seq.stop_reason, prompt_tokens: r.prompt_len, completion_tokens: completion });
         r.live -= 1;
         r.seq_ids.retain(|&x| x != si);
@@ -236,6 +240,7 @@ impl Core {
             let child = self.new_seq(Seq {
                 req: ri,
                 index,
+                uid: 0,
                 tokens: prompt.clone(),
                 num_computed: full * bs,
                 blocks: shared.clone(),

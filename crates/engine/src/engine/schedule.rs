@@ -60,7 +60,7 @@ impl Core {
                 let s = self.seq(si);
                 let remaining = s.tokens.len() - s.num_computed;
                 let is_decode = remaining == 1;
-                if (pass == 0) != is_decode || s.scheduled {
+                if (pass == 0) != is_decode || s.scheduled || (is_decode && self.final_draw_in_flight(si)) {
                     i += 1;
                     continue;
                 }

@@ -1,17 +1,42 @@
 //! One engine step: build the batch, run the forward pass (with the LoRA hook when any row
-//! has an adapter), sample, stream, and publish statistics.
+//! has an adapter), commit its rows, accept the previous step's tokens (`overlap.rs`), draw
+//! (`draw.rs`), stream, and publish statistics.
 
 use super::*;
 
 impl Core {
-    /// One engine step. False when nothing could be scheduled.
+    /// One engine step. False when nothing could be scheduled and nothing was in flight.
     pub(super) fn step(&mut self) -> bool {
         self.step_no += 1;
         if !self.schedule() {
-            return false;
+            // Nothing new can run; the step in flight (if any) still ends.
+            return self.finish_in_flight();
         }
         self.prof(1);
-        // Build the batch.
+        self.build_batch();
+        self.prof(2);
+        if !self.run_forward() {
+            self.finish_in_flight();
+            return true;
+        }
+        if self.embedding.is_some() {
+            self.finish_embedding_step();
+            return true;
+        }
+        self.prof(3);
+        self.commit_rows();
+        self.prof(5);
+        // The previous step's tokens while this one runs (see `overlap.rs`), then this step's draws.
+        self.finish_in_flight();
+        self.draw();
+        if let Some(p) = self.profile.as_mut() {
+            p.end_step(self.sched.len(), self.batch.tokens.len());
+        }
+        self.sched.clear();
+        true
+    }
+
+    fn build_batch(&mut self) {
         self.batch.clear(self.stride);
         self.seq_adapters.clear();
         let mean_pooling = self.embedding.as_ref().is_some_and(|e| e.pooling == quiver_model::Pooling::Mean);
@@ -25,14 +50,19 @@ impl Core {
             } else {
                 LogitsFor::None
             };
+            // A decode row's token may still be a draw on the device (`sample::DRAWN`).
             self.batch.push_seq(&s.tokens[s.num_computed..end], s.num_computed, &s.blocks, want);
             self.seq_adapters.push(self.reqs[s.req].as_ref().expect("live request").adapter);
             if !(chunk == 1 && end == s.tokens.len()) {
                 self.counters.prefill_tokens += chunk as u64;
             }
         }
-        self.prof(2);
-        // Forward.
+    }
+
+    /// Queues the forward pass of the built batch (with the LoRA hook when any row has an
+    /// adapter). False when the adapters could not be made resident: their requests were
+    /// failed and nothing ran.
+    fn run_forward(&mut self) -> bool {
         let any_lora = self.seq_adapters.iter().any(|a| a.is_some());
         if any_lora {
             self.count_slot_loads();
@@ -52,7 +82,8 @@ impl Core {
                             s.scheduled = false;
                         }
                     }
-                    return true;
+                    self.sched.clear();
+                    return false;
                 }
             }
         } else if self.embedding.is_some() {
@@ -60,137 +91,48 @@ impl Core {
         } else {
             self.model.forward_on_device(&self.batch, &mut self.kv, &mut self.ws, &NoLora);
         }
-        if self.embedding.is_some() {
-            let sched = std::mem::take(&mut self.sched);
-            let mut row = 0;
-            for &(si, chunk) in &sched {
-                let s = self.seq_mut(si);
-                s.scheduled = false;
-                s.num_computed += chunk;
-                self.register_blocks(si);
-                row += self.take_embedding_rows(si, chunk, row);
-            }
-            self.sched = sched;
-            self.sched.clear();
-            return true;
-        }
-        // The logits come to the host only when a row needs them there (prompt logprobs, or a
-        // draw with penalties, a grammar or a min_tokens ban); every other draw happens on the
-        // device and only its token (and logprobs) comes back.
-        let need_host = self.sched.iter().any(|&(si, chunk)| {
-            let s = self.seq(si);
-            let end = s.num_computed + chunk;
-            self.scores_prompt_rows(si, s.num_computed, end) || (end == s.tokens.len() && !self.draws_on_device(si))
-        });
-        self.prepare_masks();
-        self.prof(3);
-        if need_host {
-            self.model.logits_to_host(&mut self.ws, self.batch.logits_rows.len());
-        }
-        self.prof(4);
-        let mut row = 0;
-        let sched = std::mem::take(&mut self.sched);
-        let mut to_sample = std::mem::take(&mut self.to_sample);
-        to_sample.clear();
-        for &(si, chunk) in &sched {
-            let start = self.seq(si).num_computed;
-            let scored = self.scores_prompt_rows(si, start, start + chunk);
-            let s = self.seq_mut(si);
-            s.scheduled = false;
-            s.num_computed += chunk;
-            let wants = s.num_computed == s.tokens.len();
-            self.register_blocks(si);
-            if scored {
-                self.score_prompt_rows(si, row, start, start + chunk);
-                row += chunk;
-            } else if wants {
-                row += 1;
-            }
-            if wants && self.finish_prompt(si) {
-                if self.req(self.seq(si).req).forked {
-                    to_sample.push((si, row - 1, HOST_DRAW));
-                } else {
-                    // A request's first token: its n sequences are made now, each drawing
-                    // from the same row.
-                    to_sample.extend(self.fork(si).into_iter().map(|s| (s, row - 1, HOST_DRAW)));
-                }
-            }
-        }
-        self.prof(5);
-        // The device's draws, in one call.
-        self.specs.clear();
-        for d in to_sample.iter_mut() {
-            if self.draws_on_device(d.0) {
-                d.2 = self.specs.len() as u32;
-                let spec = self.device_spec(d.0, d.1);
-                self.specs.push(spec);
-            }
-        }
-        if !self.specs.is_empty() {
-            self.sampled.resize(self.specs.len(), SampleOut::default());
-            self.model.sample(&self.ws, &self.specs, &mut self.sampled);
-        }
-        self.prof(6);
-        let vocab = self.model.config.vocab_size;
-        let mut logits = std::mem::take(&mut self.logits_buf);
-        for &(si, row, spec) in &to_sample {
-            if spec == HOST_DRAW {
-                logits.clear();
-                logits.extend_from_slice(&self.ws.host_logits[row * vocab..(row + 1) * vocab]);
-                self.sample_one(si, &logits);
-            } else {
-                let o = self.sampled[spec as usize];
-                let want_lp = self.req(self.seq(si).req).logprobs.is_some();
-                let lp = want_lp.then(|| TokenLogprob { logprob: o.logprob, top: (0..o.n_top as usize).map(|k| (o.top_ids[k], o.top_logprobs[k])).collect(), rank: o.rank });
-                self.seq_mut(si).sampler.advance();
-                self.accept_token(si, o.token, lp, false);
-            }
-        }
-        self.logits_buf = logits;
-        if let Some(p) = self.profile.as_mut() {
-            p.end_step(sched.len(), self.batch.tokens.len());
-        }
-        self.to_sample = to_sample;
-        self.sched = sched;
-        self.sched.clear();
         true
     }
 
-    /// Grammar masks of this step's constrained draws, computed in parallel while the device
-    /// runs the forward pass (a mask depends on the grammar's state, not on the logits).
-    fn prepare_masks(&mut self) {
-        use rayon::prelude::*;
-        let mut guided = std::mem::take(&mut self.guided_buf);
-        guided.clear();
-        for &(si, chunk) in &self.sched {
-            let s = self.seq(si);
-            if s.guide.is_some() && s.num_computed + chunk == s.tokens.len() {
-                guided.push(si);
+    fn finish_embedding_step(&mut self) {
+        let sched = std::mem::take(&mut self.sched);
+        let mut row = 0;
+        for &(si, chunk) in &sched {
+            let s = self.seq_mut(si);
+            s.scheduled = false;
+            s.num_computed += chunk;
+            self.register_blocks(si);
+            row += self.take_embedding_rows(si, chunk, row);
+        }
+        self.sched = sched;
+        self.sched.clear();
+    }
+
+    /// The scheduled rows are computed (queued on the device: nothing here reads their
+    /// results). Decode rows go to `to_sample`; prompt rows that score prompt tokens or end the
+    /// prompt to `prompt_rows`, handled once the logits are known to be needed on the host.
+    fn commit_rows(&mut self) {
+        let mut row = 0;
+        self.to_sample.clear();
+        self.prompt_rows.clear();
+        for i in 0..self.sched.len() {
+            let (si, chunk) = self.sched[i];
+            let start = self.seq(si).num_computed;
+            let scored = self.scores_prompt_rows(si, start, start + chunk);
+            let prompt_len = self.req(self.seq(si).req).prompt_len;
+            let s = self.seq_mut(si);
+            s.scheduled = false;
+            s.num_computed += chunk;
+            let wants_token = s.num_computed == s.tokens.len();
+            let uid = s.uid;
+            self.register_blocks(si);
+            if scored || (wants_token && start + chunk <= prompt_len) {
+                self.prompt_rows.push(PromptRows { seq: si, row, start, end: start + chunk, scored, wants_token });
+            } else if wants_token {
+                self.to_sample.push(Draw { seq: si, uid, row, spec: HOST_DRAW });
             }
+            row += if scored { chunk } else { usize::from(wants_token) };
         }
-        if !guided.is_empty() {
-            guided.sort_unstable();
-            self.seqs.par_iter_mut().enumerate().filter(|(i, _)| guided.binary_search(i).is_ok()).for_each(|(_, s)| {
-                if let Some(g) = s.as_mut().and_then(|s| s.guide.as_mut()) {
-                    g.prepare();
-                }
-            });
-        }
-        self.guided_buf = guided;
-    }
-
-    /// Whether sequence `si`'s next draw can happen on the model's device: nothing about it
-    /// needs the host's view of the logits.
-    pub(super) fn draws_on_device(&self, si: usize) -> bool {
-        let s = self.seq(si);
-        let r = self.req(s.req);
-        s.guide.is_none() && !s.sampler.needs_host() && s.tokens.len() - r.prompt_len >= r.min_tokens
-    }
-
-    fn device_spec(&self, si: usize, row: usize) -> SampleSpec {
-        let s = self.seq(si);
-        let lp = self.req(s.req).logprobs.map_or(-1, |k| k as i32);
-        s.sampler.spec(row as u32, lp)
     }
 
     pub(super) fn count_slot_loads(&mut self) {
@@ -237,7 +179,9 @@ impl Core {
             return;
         }
         let root = self.reqs[s.req].as_ref().expect("live request").adapter;
-        let full = s.num_computed / bs;
+        // A block is keyed by its tokens: one holding a draw still on the device waits for it.
+        let known = s.tokens.len() - usize::from(s.draw_in_flight());
+        let full = s.num_computed.min(known) / bs;
         while s.num_registered < full {
             let b = s.num_registered;
             let parent = if b == 0 { Parent::Root(root) } else { Parent::Block(s.blocks[b - 1]) };
@@ -247,47 +191,6 @@ impl Core {
             }
             s.num_registered += 1;
         }
-    }
-
-    pub(super) fn sample_one(&mut self, si: usize, logits: &[f32]) {
-        let mut work = std::mem::take(&mut self.work_buf);
-        work.clear();
-        work.extend_from_slice(logits);
-        let ri = self.seq(si).req;
-        let (tok, logprob, grammar_done) = {
-            let s = self.seqs[si].as_mut().expect("live sequence");
-            let r = self.reqs[ri].as_ref().expect("live request");
-            s.sampler.apply_penalties(&mut work);
-            if s.tokens.len() - r.prompt_len < r.min_tokens {
-                // vLLM's min_tokens: no token that would end the sequence may be drawn yet.
-                let eos: &[u32] = if r.ignore_eos { &[] } else { &self.eos };
-                for &t in r.stop_ids.iter().chain(eos) {
-                    work[t as usize] = f32::NEG_INFINITY;
-                }
-            }
-            if let Some(g) = s.guide.as_mut() {
-                if let Err(e) = g.mask(&mut work) {
-                    // Never stall the batch on a grammar that cannot go on: end this row.
-                    s.stop_reason = Some(StopReason::Grammar(format!("grammar dead end: {e}")));
-                    self.work_buf = work;
-                    self.end_seq(si, FinishReason::Abort);
-                    return;
-                }
-            }
-            let tok = s.sampler.sample(&work);
-            let lp = r.logprobs.map(|k| sampling::token_logprob(&work, tok, k));
-            let grammar_done = match s.guide.as_mut().map(|g| g.advance(tok).map(|()| g.is_finished())) {
-                Some(Err(e)) => {
-                    tracing::warn!("constraint refused its own token {tok}: {e}");
-                    true
-                }
-                Some(Ok(done)) => done,
-                None => false,
-            };
-            (tok, lp, grammar_done)
-        };
-        self.work_buf = work;
-        self.accept_token(si, tok, logprob, grammar_done);
     }
 
     /// Appends the drawn token `tok` to sequence `si`, streams its text and ends the sequence
@@ -373,6 +276,7 @@ impl Core {
         st.steps = self.step_no;
         st.generated_tokens = self.counters.generated;
         st.prefill_tokens = self.counters.prefill_tokens;
+        st.overlapped_steps = self.counters.overlapped_steps;
         st.running = 0;
         st.waiting = 0;
         for a in st.per_adapter.iter_mut() {

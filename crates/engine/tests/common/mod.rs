@@ -1,6 +1,8 @@
 //! Shared helpers for tests that need the real model and the HF reference data.
 #![allow(dead_code)]
 
+pub mod shown;
+
 use quiver_kernels::{open_device, DType, DeviceKind};
 use quiver_model::{load_model, LoadedModel};
 use serde::Deserialize;
@@ -17,6 +19,13 @@ pub fn require(rel: &str) -> PathBuf {
     let p = cache_dir().join(rel);
     assert!(p.exists(), "{} is missing: run `make test` (or scripts/make-refs.sh) to fetch the model and build the reference data", p.display());
     p
+}
+
+/// The directory `scripts/gpu_models.py` wrote on the GPU machine (`$QUIVER_GPU_DATA`).
+pub fn gpu_data_dir() -> PathBuf {
+    let d = std::env::var_os("QUIVER_GPU_DATA").map(PathBuf::from).expect("QUIVER_GPU_DATA must name the directory scripts/gpu_models.py wrote");
+    assert!(d.join("models").is_dir(), "{}: no models/ (run scripts/gpu_models.py first)", d.display());
+    d
 }
 
 pub fn smollm2_gguf() -> PathBuf {

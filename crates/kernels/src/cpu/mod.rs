@@ -28,10 +28,12 @@ pub fn gemm_kind() -> &'static str {
     if amx::enabled() { "amx bf16x3 tiles" } else { "f32 fma" }
 }
 
-/// The CPU device. Stateless: every op works on the buffers it is given.
+/// The CPU device. Every op works on the buffers it is given; the one state kept between calls
+/// is the last draw (`Device::sample_launch`), which the next step's ids may name.
 #[derive(Default)]
 pub struct CpuDevice {
     lora_images: bool,
+    draws: crate::sample::HostDraws,
 }
 
 impl CpuDevice {
@@ -42,7 +44,7 @@ impl CpuDevice {
     /// slot contents, copied into a slot on activation), which a host-memory pool does not
     /// need; it runs the pool's image path where a test can compare it with the direct one.
     pub fn with_lora_images() -> Self {
-        CpuDevice { lora_images: true }
+        CpuDevice { lora_images: true, ..Default::default() }
     }
 }
 
@@ -97,6 +99,10 @@ fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 impl Device for CpuDevice {
     fn kind(&self) -> DeviceKind {
         DeviceKind::Cpu
+    }
+
+    fn host_draws(&self) -> Option<&crate::sample::HostDraws> {
+        Some(&self.draws)
     }
 
     /// The step runs on a worker of the rayon pool, so each parallel op inside it is a join

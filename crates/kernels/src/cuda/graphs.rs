@@ -31,7 +31,8 @@ const MAX_GRAPHS: usize = 320;
 impl CudaDevice {
     /// Replays a recorded step on the compute stream.
     pub(super) fn launch_graph(&self, exec: sys::CUgraphExec) {
-        self.copy.drained.store(false, std::sync::atomic::Ordering::Relaxed);
+        // Writes device memory like any launch (and tells a collected draw that work followed it).
+        self.touch();
         // SAFETY: callers pass a live executable graph of this context whose buffers are unchanged.
         unsafe { result::graph::launch(exec, self.stream) }.unwrap_or_else(|e| panic!("CUDA graph launch on {}: {e:?}", self.name));
     }

@@ -103,7 +103,7 @@ impl CudaDevice {
             fuse_epilogues,
             lora_geom: Mutex::new(lora::LoraGeometry::default()),
             recording: Default::default(),
-            sample_bufs: Mutex::new(None),
+            draws: Mutex::new(Default::default()),
             lora_fill_scratch: Mutex::new((Vec::new(), Vec::new())),
             lora_side: lora::SideStream::new(profiler_on)?,
             on_side: Default::default(),

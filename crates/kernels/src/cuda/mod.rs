@@ -135,8 +135,8 @@ pub struct CudaDevice {
     lora_geom: Mutex<lora::LoraGeometry>,
     /// A step is being recorded: launches must not depend on the step's data.
     recording: std::sync::atomic::AtomicBool,
-    /// Sampling's specs and results (see `sample.rs`).
-    sample_bufs: Mutex<Option<sample::SampleBufs>>,
+    /// Sampling's last launch, its specs and results (see `sample.rs`).
+    draws: Mutex<sample::Draws>,
     /// f32 A and Bᵀ of the LoRA slot being written into an image (reused: no page faults per site).
     lora_fill_scratch: Mutex<(Vec<f32>, Vec<f32>)>,
     /// The stream LoRA shrinks run on beside their site's GEMM (`lora::SideStream`), and
@@ -365,8 +365,16 @@ impl Device for CudaDevice {
         self.download(t, len, out);
     }
 
-    fn sample(&self, logits: &Tensor, vocab: usize, specs: &[crate::sample::SampleSpec], out: &mut [crate::sample::SampleOut]) {
-        self.sample_on_device(logits, vocab, specs, out);
+    fn sample_launch(&self, logits: &Tensor, vocab: usize, specs: &[crate::sample::SampleSpec]) {
+        self.sample_launch_impl(logits, vocab, specs);
+    }
+
+    fn sample_collect(&self, out: &mut [crate::sample::SampleOut]) {
+        self.sample_collect_impl(out);
+    }
+
+    fn resolve_drawn<'a>(&self, ids: &'a [u32], _resolved: &'a mut Vec<u32>) -> &'a [u32] {
+        self.resolve_drawn_impl(ids)
     }
 
     fn upload(&self, data: &[f32], t: &mut Tensor) {

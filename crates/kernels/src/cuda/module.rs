@@ -43,6 +43,7 @@ pub(super) struct Kernels {
     /// 512 and 1024 inputs a block.
     pub(super) rms_norm_shrink: [sys::CUfunction; 3],
     pub(super) sample_rows: sys::CUfunction,
+    pub(super) resolve_drawn: sys::CUfunction,
 }
 
 impl Kernels {
@@ -78,6 +79,7 @@ impl Kernels {
             lora_expand: f("lora_expand")?,
             rms_norm_shrink: [f("rms_norm_shrink_1")?, f("rms_norm_shrink_2")?, f("rms_norm_shrink_4")?],
             sample_rows: f("sample_rows")?,
+            resolve_drawn: f("resolve_drawn")?,
         };
         for (i, &pf) in k.prefill_attention.iter().enumerate() {
             let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;

@@ -311,3 +311,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(const f
     }
     if (threadIdx.x == 0) out->logprob = lt - lse, out->rank = 1 + gt, out->n_top = n;
 }
+
+// A step's input ids may name the last launch's draws (`DRAWN | i`, src/sample.rs): the token of
+// spec i. They are replaced in the step's staged ids, behind the draw on the stream, before the
+// embedding reads them: the next step is queued before its tokens have reached the host.
+extern "C" __global__ void resolve_drawn(u32* __restrict__ ids, int n, const SampleOut* __restrict__ outs) {
+    pdl_entry();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const u32 t = ids[i];
+    if (t & 0x80000000u) ids[i] = outs[t & 0x7fffffffu].token;
+}

@@ -87,6 +87,8 @@ pub struct OpenClDevice {
     queue: CommandQueue,
     ctx: Context,
     allocated: Arc<AtomicUsize>,
+    /// Draws happen on the host, from rows read back (see `sample::HostDraws`).
+    draws: crate::sample::HostDraws,
 }
 
 // SAFETY: OpenCL handles may be used from any thread; the one call that is not thread-safe on a
@@ -136,7 +138,7 @@ impl OpenClDevice {
         eprintln!("quiver: {name}: {}", set.describe());
         let allocated = Arc::new(AtomicUsize::new(0));
         let state = State::new(&ctx, &allocated)?;
-        Ok(OpenClDevice { kind, name, caps, set, tiles, kernels, state: Mutex::new(state), launch_lock: Mutex::new(()), queue, ctx, allocated })
+        Ok(OpenClDevice { kind, name, caps, set, tiles, kernels, state: Mutex::new(state), launch_lock: Mutex::new(()), queue, ctx, allocated, draws: Default::default() })
     }
 
     pub fn name(&self) -> &str {
@@ -221,6 +223,12 @@ impl OpenClDevice {
 impl Device for OpenClDevice {
     fn kind(&self) -> DeviceKind {
         self.kind
+    }
+
+    /// Draws happen on the host; ids naming them resolve into a host slice the device has
+    /// not staged, which the ops reading it upload on the side (correct, one small copy more).
+    fn host_draws(&self) -> Option<&crate::sample::HostDraws> {
+        Some(&self.draws)
     }
 
     fn alloc(&self, len: usize) -> Tensor {

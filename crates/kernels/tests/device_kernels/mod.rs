@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 use quiver_kernels::cpu::CpuDevice;
+use quiver_kernels::sample::{self, SampleOut, SampleSpec, DRAWN};
 use quiver_kernels::{AttnBatch, DType, Device, KvLayout, RopeTable, Tensor, Weight};
 use rand::{rngs::StdRng, Rng as _, SeedableRng};
 
@@ -105,6 +106,48 @@ pub fn embedding_and_gather_match_cpu(g: &dyn Device) {
             g.gather_rows(&og, &pick, dim, &mut pg);
             check(&format!("gather_rows dim={dim} n={}", pick.len()), &host(g, &pg, pick.len() * dim), &pc.as_cpu()[..pick.len() * dim], 0.0);
         }
+    }
+}
+
+/// A step whose ids name the last launch's draws (`sample::DRAWN | i`): the embedding reads
+/// the drawn tokens, the ones `sample_collect` returns, whether the step was queued before the
+/// collect (the overlapped engine's order) or after it.
+pub fn drawn_ids_resolve_to_the_last_draws(g: &dyn Device) {
+    let c = CpuDevice::new();
+    let mut r = Rng::fresh("resolve_drawn");
+    let (vocab, dim, draws) = (1000, 67, 5);
+    let logits = r.vec(draws * vocab, 4.0);
+    let lt = g.tensor_from(&logits);
+    // Greedy draws: each row's argmax, known here.
+    let specs: Vec<SampleSpec> = (0..draws as u32).map(|row| SampleSpec { row, top_p: 1.0, logprobs: -1, ..Default::default() }).collect();
+    let want: Vec<u32> = logits.chunks(vocab).map(sample::argmax).collect();
+    let t = r.vec(vocab * dim, 1.0);
+    let tc = c.load_weight(Weight::from_f32(vocab, dim, t.clone(), DType::F32));
+    let tg = g.load_weight(Weight::from_f32(vocab, dim, t, DType::F32));
+    let ids = [3, DRAWN | 4, 17, DRAWN, DRAWN | 2, 999, DRAWN | 4];
+    let plain: Vec<u32> = ids.iter().map(|&t| if t & DRAWN != 0 { want[(t & !DRAWN) as usize] } else { t }).collect();
+    let rows = ids.len();
+    let positions: Vec<u32> = (0..rows as u32).collect();
+    let (starts, ctx) = ([0, rows as u32], [rows as u32]);
+    let batch = AttnBatch { seq_starts: &starts, positions: &positions, ctx_lens: &ctx, block_tables: &[0], block_table_stride: 1 };
+    let mut oc = poisoned(&c, rows * dim);
+    c.embedding(&tc, &plain, &mut oc);
+    for collect_first in [false, true] {
+        g.sample_launch(&lt, vocab, &specs);
+        let mut outs = vec![SampleOut::default(); draws];
+        if collect_first {
+            g.sample_collect(&mut outs);
+        }
+        g.stage_batch(&ids, &batch, &[], &[]);
+        let mut resolved = Vec::new();
+        let step_ids = g.resolve_drawn(&ids, &mut resolved);
+        let mut og = poisoned(g, rows * dim);
+        g.embedding(&tg, step_ids, &mut og);
+        if !collect_first {
+            g.sample_collect(&mut outs);
+        }
+        assert_eq!(outs.iter().map(|o| o.token).collect::<Vec<_>>(), want, "collected draws");
+        check(&format!("embedding of ids naming draws (collected {})", if collect_first { "before" } else { "after" }), &host(g, &og, rows * dim), &oc.as_cpu()[..rows * dim], 0.0);
     }
 }
 
