@@ -6,7 +6,11 @@
 //! - bf16 weights under every kernel set of the run (DPAS at 16 and 8 lanes): max |Δlogprob| on
 //!   the CPU bf16 run's top-20 at every position ≤ 0.05;
 //! - the PEFT reference adapters in one mixed batch with base rows, within 1e-3 of PEFT (f32);
-//! - the engine: concurrent requests over 4 adapters, token-identical to each alone.
+//! - the engine: concurrent requests over 4 adapters, token-identical to each alone;
+//! - Qwen3 (q/k RMSNorm) and the mixture-of-experts families (Mixtral, Qwen2-MoE with its gated
+//!   shared expert, Qwen3-MoE, OLMoE) on the CPU suite's tiny models: f32 as SmolLM2 above
+//!   against the CPU device and transformers, bf16 (Qwen2-MoE, Qwen3-MoE) with SmolLM2's under
+//!   every kernel set, and the engine on Qwen2-MoE batched = alone.
 //!
 //! The `#[ignore]`d `gpu_data_*` tests are the same checks on the GPU machine's random-weight
 //! models (`scripts/gpu_models.py` under `$QUIVER_GPU_DATA`), run by `scripts/gpu-opencl-check.sh`
@@ -18,6 +22,7 @@ use common::*;
 use quiver_engine::{BaseOnly, Generator};
 use quiver_kernels::opencl::{testing, KernelSet};
 use quiver_kernels::{open_device, DType, Device, DeviceKind};
+use quiver_lora::{LoraConfig, LoraManager, LoraModule};
 use quiver_model::{load_model, LoadedModel};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,12 +32,22 @@ const BF16_TOL: f32 = 0.05;
 /// The CPU suite's bound against transformers / PEFT in f32.
 const F32_TOL: f32 = 1e-3;
 
-/// The model at `p` on `opencl:0` under `set`, and the set the device runs (DPAS emulated or not).
-fn load_opencl_at(p: &Path, set: KernelSet, dtype: DType) -> (LoadedModel, KernelSet) {
+/// `opencl:0` under `set`, and the set it runs (DPAS emulated or not). Several models may be
+/// loaded on one device: compiling a kernel set takes seconds on a CPU runtime.
+fn opencl_device(set: KernelSet) -> (Arc<dyn Device>, KernelSet) {
     let dev = testing::device(set);
     let set = dev.kernel_set();
-    let dev: Arc<dyn Device> = Arc::new(dev);
-    (load_model(p, dev, dtype).unwrap_or_else(|e| panic!("loading {} on OpenCL: {e:#}", p.display())), set)
+    (Arc::new(dev), set)
+}
+
+fn load_on(p: &Path, dev: &Arc<dyn Device>, dtype: DType) -> LoadedModel {
+    load_model(p, dev.clone(), dtype).unwrap_or_else(|e| panic!("loading {} on OpenCL: {e:#}", p.display()))
+}
+
+/// The model at `p` on `opencl:0` under `set`, and the set the device runs (DPAS emulated or not).
+fn load_opencl_at(p: &Path, set: KernelSet, dtype: DType) -> (LoadedModel, KernelSet) {
+    let (dev, set) = opencl_device(set);
+    (load_on(p, &dev, dtype), set)
 }
 
 fn load_opencl(set: KernelSet, dtype: DType) -> (LoadedModel, KernelSet) {
@@ -118,19 +133,28 @@ fn f32_greedy_matches_cpu_and_logprobs_match_transformers() {
     check_f32_against_cpu("opencl", &ocl, &cpu, &read_ref("ref/ref/smollm2.json").cases, 2);
 }
 
+/// SmolLM2, and the tiny Qwen2-MoE and Qwen3-MoE (the experts' grouped GEMM: on DPAS under a
+/// DPAS set), each set's device compiled once for all three.
 #[test]
 fn bf16_logprobs_match_cpu_bf16() {
-    let cpu = load(&smollm2_gguf(), DType::Bf16);
     // The long prompts add minutes on a CPU runtime and nothing the short ones do not cover.
-    let short: Vec<RefCase> = read_ref("ref/ref/smollm2.json").cases.into_iter().filter(|c| c.prompt_ids.len() < 100).collect();
-    let cases = cpu_bf16_cases(&cpu, short);
-    drop(cpu);
+    let short = |rel: &str| -> Vec<RefCase> { read_ref(rel).cases.into_iter().filter(|c| c.prompt_ids.len() < 100).collect() };
+    let models: Vec<(&str, PathBuf, Vec<RefCase>)> = [("smollm2", smollm2_gguf()), ("tiny-qwen2moe", require("ref/models/tiny-qwen2moe")), ("tiny-qwen3moe", require("ref/models/tiny-qwen3moe"))]
+        .into_iter()
+        .map(|(name, p)| {
+            let cases = cpu_bf16_cases(&load(&p, DType::Bf16), short(&format!("ref/ref/{name}.json")));
+            (name, p, cases)
+        })
+        .collect();
     for set in testing::kernel_sets() {
-        let (ocl, set) = load_opencl(set, DType::Bf16);
-        // The emulated matrix builtin is slow on a CPU: two prompts there (the kernel tests cover
-        // the DPAS GEMM's shapes; this checks what 30 layers of it add up to).
-        let n = if matches!(set, KernelSet::Dpas { emulated: true, .. }) { 2 } else { cases.len() };
-        check_bf16(&format!("opencl {set:?}"), &ocl, &cases[..n]);
+        let (dev, set) = opencl_device(set);
+        for (name, p, cases) in &models {
+            let ocl = load_on(p, &dev, DType::Bf16);
+            // The emulated matrix builtin is slow on a CPU: two prompts there (the kernel tests
+            // cover the DPAS GEMMs' shapes; this checks what a model's layers of them add up to).
+            let n = if matches!(set, KernelSet::Dpas { emulated: true, .. }) { 2 } else { cases.len() };
+            check_bf16(&format!("opencl {name} {set:?}"), &ocl, &cases[..n]);
+        }
     }
 }
 
@@ -160,6 +184,45 @@ fn peft_adapters_in_a_mixed_batch_match_peft() {
 #[test]
 fn engine_batched_equals_alone() {
     engine_matches_alone(load_opencl(KernelSet::Portable, DType::F32).0, load_opencl(KernelSet::Portable, DType::F32).0, 16, 6);
+}
+
+// ---- Qwen3 and the mixture-of-experts families (the CPU suite's tiny random models) ----------
+
+/// Qwen3 (q/k RMSNorm per head), Mixtral, Qwen2-MoE (sigmoid-gated shared expert), Qwen3-MoE
+/// (renormalised top-4 of 16), OLMoE (q/k RMSNorm over the whole projections), f32 on one
+/// portable device: each case's greedy continuation the CPU device's (two also decoded token by
+/// token), logprobs within the CPU suite's 1e-3 of transformers. The long prompts (400+ tokens:
+/// experts with several GEMM tiles) run on Mixtral and Qwen2-MoE only; elsewhere they would add
+/// seconds and nothing the short ones do not cover.
+#[test]
+fn tiny_qwen3_and_moe_f32_greedy_matches_cpu_and_logprobs_match_transformers() {
+    let (dev, _) = opencl_device(KernelSet::Portable);
+    for (name, long) in [("tiny-qwen3", false), ("tiny-mixtral", true), ("tiny-qwen2moe", true), ("tiny-qwen3moe", false), ("tiny-olmoe", false)] {
+        let p = require(&format!("ref/models/{name}"));
+        let cases: Vec<RefCase> = read_ref(&format!("ref/ref/{name}.json")).cases.into_iter().filter(|c| long || c.prompt_ids.len() < 100).collect();
+        check_f32_against_cpu(&format!("opencl {name}"), &load_on(&p, &dev, DType::F32), &load(&p, DType::F32), &cases, 2);
+    }
+}
+
+/// Concurrent requests on the tiny Qwen2-MoE (chunked prefill beside decode: every expert sees
+/// other rows than alone), each token-identical to the request alone.
+#[test]
+fn moe_engine_batched_equals_alone() {
+    let (dev, _) = opencl_device(KernelSet::Portable);
+    let p = require("ref/models/tiny-qwen2moe");
+    concurrent_requests_match_alone(load_on(&p, &dev, DType::F32), load_on(&p, &dev, DType::F32));
+}
+
+/// Expert LoRA needs the routing on the host, which the OpenCL device keeps in its own memory:
+/// a pool with expert sites is refused, saying why and what to drop.
+#[test]
+fn expert_lora_is_refused_naming_the_reason() {
+    let (dev, _) = opencl_device(KernelSet::Portable);
+    let lm = load_on(&require("ref/models/tiny-qwen3moe"), &dev, DType::F32);
+    let targets = LoraModule::ALL.iter().chain(&LoraModule::MOE).copied().collect();
+    let cfg = LoraConfig { max_loras_per_batch: 2, max_lora_rank: 16, target_modules: targets, ..Default::default() };
+    let err = LoraManager::new(lm.model.lora_dims(), cfg, dev).err().expect("expert LoRA pool on OpenCL").to_string();
+    assert!(err.contains("not on OpenCL") && err.contains("experts"), "{err}");
 }
 
 // ---- the GPU machine's run (scripts/gpu-opencl-check.sh) -------------------------------------

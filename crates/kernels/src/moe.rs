@@ -16,7 +16,7 @@
 //! element with one chain over k whatever rows share the call, and the combine order is the
 //! row's own. So MoE keeps the CPU's batch invariance.
 
-use crate::{DType, Weight};
+use crate::{DType, Weight, WeightData};
 
 /// `E` weights of one shape `[rows, cols]` (an expert's fused gate/up or its down), loaded
 /// through [`crate::Device::load_experts`].
@@ -35,6 +35,8 @@ pub enum ExpertData {
     /// All experts in one `[E, rows, cols]` buffer in device memory.
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::DevBuf, DType),
+    /// All experts in one `[E, rows, cols]` buffer in an OpenCL device's memory.
+    OpenCl(crate::opencl::ClBuf, DType),
 }
 
 impl ExpertWeights {
@@ -43,6 +45,7 @@ impl ExpertWeights {
             ExpertData::PerExpert(w) => w.first().map_or(DType::F32, Weight::dtype),
             #[cfg(feature = "cuda")]
             ExpertData::Cuda(_, d) => *d,
+            ExpertData::OpenCl(_, d) => *d,
         }
     }
     pub fn size_bytes(&self) -> usize {
@@ -50,8 +53,30 @@ impl ExpertWeights {
             ExpertData::PerExpert(w) => w.iter().map(Weight::size_bytes).sum(),
             #[cfg(feature = "cuda")]
             ExpertData::Cuda(b, _) => b.bytes(),
+            ExpertData::OpenCl(b, _) => b.bytes(),
         }
     }
+}
+
+/// What a device stacks into one `[E, rows, cols]` buffer: the experts' dtype (the first's), the
+/// bytes of one expert, and each expert's bytes in order. Panics on an expert of another shape or
+/// dtype, or one that is not a host weight.
+pub fn expert_stack(experts: &[Weight], rows: usize, cols: usize) -> (DType, usize, Vec<&[u8]>) {
+    let dtype = experts.first().map_or(DType::Bf16, Weight::dtype);
+    let per = rows * cols * if dtype == DType::Bf16 { 2 } else { 4 };
+    let bytes = experts
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            assert_eq!((w.rows, w.cols), (rows, cols), "expert {i} is [{}, {}], expected [{rows}, {cols}]", w.rows, w.cols);
+            match (&w.data, dtype) {
+                (WeightData::Bf16(v), DType::Bf16) => bytemuck::cast_slice(&v[..]),
+                (WeightData::F32(v), DType::F32) => bytemuck::cast_slice(&v[..]),
+                _ => panic!("load_experts: expert {i} is not a host weight of the first expert's dtype"),
+            }
+        })
+        .collect();
+    (dtype, per, bytes)
 }
 
 /// How router probabilities become expert weights.
@@ -78,6 +103,7 @@ pub enum RoutingData {
     Host(HostRouting),
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::moe::DevRouting),
+    OpenCl(crate::opencl::ClRouting),
 }
 
 /// Routing in host memory. Pair `(r, j)` is row r's j-th choice (best first), index `r·k + j`.
@@ -116,8 +142,7 @@ impl MoeRouting {
     pub fn as_host(&self) -> Option<&HostRouting> {
         match &self.data {
             RoutingData::Host(h) => Some(h),
-            #[cfg(feature = "cuda")]
-            RoutingData::Cuda(_) => None,
+            _ => None,
         }
     }
 }
@@ -197,6 +222,27 @@ pub struct QkNorm {
     pub q_group: usize,
     pub k_group: usize,
     pub eps: f32,
+}
+
+/// Where the q/k-norm groups lie in a fused `[q | k | v]` row.
+pub struct QkLayout {
+    /// Widths of the q part and of the k (and v) part.
+    pub q_out: usize,
+    pub kv_out: usize,
+    /// Groups normalised per row: q's, then k's.
+    pub groups: usize,
+    /// The whole row.
+    pub width: usize,
+}
+
+impl QkNorm {
+    /// The layout of a row of `n_heads` q and `n_kv_heads` k/v heads; panics when the groups do
+    /// not divide the q and k parts.
+    pub fn layout(&self, n_heads: usize, n_kv_heads: usize, head_dim: usize) -> QkLayout {
+        let (q_out, kv_out) = (n_heads * head_dim, n_kv_heads * head_dim);
+        assert!(q_out.is_multiple_of(self.q_group) && kv_out.is_multiple_of(self.k_group), "qk_norm groups {} / {} do not divide q {q_out} / k {kv_out}", self.q_group, self.k_group);
+        QkLayout { q_out, kv_out, groups: q_out / self.q_group + kv_out / self.k_group, width: q_out + 2 * kv_out }
+    }
 }
 
 #[cfg(test)]

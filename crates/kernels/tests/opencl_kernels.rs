@@ -1,5 +1,5 @@
 //! Every OpenCL op against the CPU device (f32) on random inputs (the checks are in
-//! `device_kernels`). The GEMM runs under each kernel set of the run
+//! `device_kernels`). The GEMMs (dense and the experts' grouped) run under each kernel set of the run
 //! (`quiver_kernels::opencl::testing`: on Intel's CPU runtime the portable kernels and the DPAS
 //! kernels at 16 and 8 lanes, the matrix builtin emulated; on PoCL the portable ones); the other
 //! ops are the same portable kernels in every set and run once. `make test-opencl` runs both.
@@ -16,10 +16,16 @@ fn tolerances(set: KernelSet) -> Tolerances {
     Tolerances { matmul_f32: 1e-5, matmul_bf16: if dpas { 1e-4 } else { 1e-5 }, attention: 1e-5 }
 }
 
+/// The weight GEMMs under each kernel set: the dense GEMM, and the experts' grouped GEMM in a
+/// whole MoE block (DPAS for bf16 experts whose input width is a whole number of 16-steps), where
+/// a row routed alone must give the bits it got in the batch. One device per set for both: a
+/// DPAS set takes seconds to compile on the CPU runtime.
 #[test]
-fn matmul_matches_cpu() {
+fn matmul_and_moe_block_match_cpu() {
     for set in testing::kernel_sets() {
-        device_kernels::matmul_matches_cpu(&testing::device(set), &tolerances(set));
+        let g = testing::device(set);
+        device_kernels::matmul_matches_cpu(&g, &tolerances(set));
+        device_kernels::moe::moe_block_matches_cpu(&g, tolerances(set).matmul_bf16, true);
     }
 }
 
@@ -46,4 +52,16 @@ fn rope_matches_cpu() {
 #[test]
 fn paged_attention_matches_cpu() {
     device_kernels::paged_attention_matches_cpu(&testing::device(KernelSet::Portable), &tolerances(KernelSet::Portable));
+}
+
+#[test]
+fn qk_norm_matches_cpu() {
+    device_kernels::moe::qk_norm_matches_cpu(&testing::device(KernelSet::Portable));
+}
+
+/// Routing and grouping stay on the device; read back, they equal the CPU's exactly.
+#[test]
+fn moe_routing_matches_cpu() {
+    let g = testing::device(KernelSet::Portable);
+    device_kernels::moe::moe_routing_matches_cpu(&g, &|r| g.read_routing(r));
 }

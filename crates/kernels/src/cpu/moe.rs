@@ -3,7 +3,7 @@
 //! ([`super::panel::matmul_grouped`]), and the router-weighted combine, every one row-wise.
 
 use super::{amx, for_rows, panel};
-use crate::moe::{ExpertData, ExpertWeights, HostRouting, MoeRouting, QkNorm, RoutingData};
+use crate::moe::{ExpertData, ExpertWeights, HostRouting, MoeRouting, QkLayout, QkNorm, RoutingData};
 use crate::{Tensor, WeightData};
 
 fn host(route: &MoeRouting) -> &HostRouting {
@@ -21,9 +21,7 @@ fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
 }
 
 pub(super) fn qk_norm(qkv: &mut Tensor, rows: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize, norm: &QkNorm) {
-    let (q_out, kv_out) = (n_heads * head_dim, n_kv_heads * head_dim);
-    let width = q_out + 2 * kv_out;
-    assert!(q_out.is_multiple_of(norm.q_group) && kv_out.is_multiple_of(norm.k_group), "qk_norm groups {} / {} do not divide q {q_out} / k {kv_out}", norm.q_group, norm.k_group);
+    let QkLayout { q_out, kv_out, width, .. } = norm.layout(n_heads, n_kv_heads, head_dim);
     let (qw, kw) = (&norm.q.as_cpu()[..norm.q_group], &norm.k.as_cpu()[..norm.k_group]);
     let qkv = &mut qkv.as_cpu_mut()[..rows * width];
     let eps = norm.eps;
@@ -37,7 +35,6 @@ pub(super) fn qk_norm(qkv: &mut Tensor, rows: usize, n_heads: usize, n_kv_heads:
 pub(super) fn route(logits: &Tensor, m: usize, route: &mut MoeRouting) {
     assert!(m <= route.max_rows, "MoE routing of {m} rows in buffers for {}", route.max_rows);
     let spec = route.spec;
-    #[allow(irrefutable_let_patterns)] // a refutable pattern with the `cuda` feature
     let RoutingData::Host(h) = &mut route.data else { panic!("CPU MoE op given routing in device memory") };
     h.route(&logits.as_cpu()[..m * spec.num_experts], m, spec);
     route.rows = m;
@@ -57,7 +54,6 @@ pub(super) fn gather(x: &Tensor, dim: usize, route: &MoeRouting, out: &mut Tenso
 pub(super) fn matmul(x: &Tensor, route: &MoeRouting, w: &ExpertWeights, y: &mut Tensor) {
     let h = host(route);
     let n = route.rows * route.spec.top_k;
-    #[allow(irrefutable_let_patterns)]
     let ExpertData::PerExpert(ws) = &w.data else { panic!("CPU MoE matmul given experts in device memory") };
     assert_eq!(ws.len(), route.spec.num_experts, "MoE matmul: {} experts, routing over {}", ws.len(), route.spec.num_experts);
     let offsets = &h.offsets[..=route.spec.num_experts];

@@ -6,8 +6,8 @@
 //! not tensor cores (see BENCHMARKS.md for where it stands).
 
 use super::{buf, grid1, row_threads, CudaDevice, DevBuf};
-use crate::moe::{ExpertData, ExpertWeights, MoeRouting, QkNorm, RouterSpec, RoutingData};
-use crate::{DType, Tensor, Weight, WeightData};
+use crate::moe::{expert_stack, ExpertData, ExpertWeights, MoeRouting, QkLayout, QkNorm, RouterSpec, RoutingData};
+use crate::{DType, Tensor, Weight};
 use anyhow::Result;
 use cudarc::driver::sys;
 use std::ffi::c_void;
@@ -66,7 +66,7 @@ fn max_tiles(pairs: usize, e: usize) -> usize {
 fn dev(route: &MoeRouting) -> &DevRouting {
     match &route.data {
         RoutingData::Cuda(d) => d,
-        RoutingData::Host(_) => panic!("CUDA MoE op given host routing (allocate it with Device::alloc_routing)"),
+        _ => panic!("CUDA MoE op given routing of another device (allocate it with Device::alloc_routing)"),
     }
 }
 
@@ -76,10 +76,7 @@ impl CudaDevice {
         if rows == 0 {
             return;
         }
-        let (q_out, kv_out) = (n_heads * head_dim, n_kv_heads * head_dim);
-        assert!(q_out.is_multiple_of(norm.q_group) && kv_out.is_multiple_of(norm.k_group), "qk_norm groups {} / {} do not divide q {q_out} / k {kv_out}", norm.q_group, norm.k_group);
-        let groups = q_out / norm.q_group + kv_out / norm.k_group;
-        let width = q_out + 2 * kv_out;
+        let QkLayout { q_out, groups, width, .. } = norm.layout(n_heads, n_kv_heads, head_dim);
         launch!(self, self.moe_k.qk_norm, (rows as u32, groups as u32, 1), row_threads(norm.q_group.max(norm.k_group));
             buf(qkv), buf(&norm.q), buf(&norm.k), width as i32, q_out as i32, norm.q_group as i32, norm.k_group as i32, norm.eps);
         self.mark("qk_norm");
@@ -87,19 +84,12 @@ impl CudaDevice {
 
     pub(super) fn moe_load_experts(&self, rows: usize, cols: usize, experts: Vec<Weight>) -> ExpertWeights {
         self.bind();
-        let n = experts.len();
-        let dtype = experts.first().map_or(DType::Bf16, Weight::dtype);
-        let per = rows * cols;
-        let b = DevBuf::zeroed(&self.ctx, n * per * if dtype == DType::Bf16 { 2 } else { 4 }).unwrap_or_else(|e| panic!("experts on {}: {e:#}", self.name));
-        for (i, w) in experts.iter().enumerate() {
-            assert_eq!((w.rows, w.cols), (rows, cols), "expert {i} is [{}, {}], expected [{rows}, {cols}]", w.rows, w.cols);
-            match (&w.data, dtype) {
-                (WeightData::Bf16(v), DType::Bf16) => self.htod(b.ptr + (i * per * 2) as u64, &v[..]),
-                (WeightData::F32(v), DType::F32) => self.htod(b.ptr + (i * per * 4) as u64, &v[..]),
-                _ => panic!("CUDA load_experts: expert {i} is not a host weight of the first expert's dtype"),
-            }
+        let (dtype, per, stack) = expert_stack(&experts, rows, cols);
+        let b = DevBuf::zeroed(&self.ctx, stack.len() * per).unwrap_or_else(|e| panic!("experts on {}: {e:#}", self.name));
+        for (i, bytes) in stack.iter().enumerate() {
+            self.htod(b.ptr + (i * per) as u64, bytes);
         }
-        ExpertWeights { num_experts: n, rows, cols, data: ExpertData::Cuda(b, dtype) }
+        ExpertWeights { num_experts: stack.len(), rows, cols, data: ExpertData::Cuda(b, dtype) }
     }
 
     pub(super) fn moe_alloc_routing(&self, max_rows: usize, spec: RouterSpec) -> MoeRouting {

@@ -1,5 +1,5 @@
 // Prepended to every Quiver OpenCL program (OpenCL C 1.2, no extensions): bf16 as raw 16-bit
-// patterns, the row-wise reduction the norms share. Per-step metadata (token ids, positions,
+// patterns, the row-wise reduction and RMSNorm the norms share. Per-step metadata (token ids, positions,
 // block tables, LoRA tiles) lives in one staged buffer; a kernel takes it with the word offset
 // of each slice it reads (`meta + off`).
 
@@ -31,4 +31,14 @@ inline float group_sum(float v, __local float* sh) {
     const float r = sh[0];
     barrier(CLK_LOCAL_MEM_FENCE);
     return r;
+}
+
+// out = rmsnorm(x) · w over one row of `dim` by the work-group; the sum of squares in a fixed
+// order. `out` may be `x`: each work-item writes only the elements it read, after the sum.
+inline void row_rms_norm(__global const float* x, __global const float* w, __global float* out, int dim, float eps, __local float* sh) {
+    const int lid = get_local_id(0);
+    float s = 0.f;
+    for (int i = lid; i < dim; i += ROW_WG) s = fma(x[i], x[i], s);
+    const float inv = rsqrt(group_sum(s, sh) / dim + eps);
+    for (int i = lid; i < dim; i += ROW_WG) out[i] = (x[i] * inv) * w[i];
 }

@@ -1,6 +1,7 @@
 // DPAS kernels (Intel XMX units, cl_intel_subgroup_matrix_multiply_accumulate) for the bf16
-// weight GEMM, compiled for one subgroup width SG (16: PVC, Xe2; 8: DG2 / Arc A-series / Flex);
-// host side in gemm.rs. Compiled only for a DPAS kernel set; every other op stays portable.
+// weight GEMM (dense, and the experts' grouped GEMM of MoE layers), compiled for one subgroup
+// width SG (16: PVC, Xe2; 8: DG2 / Arc A-series / Flex); host side in gemm.rs and moe.rs.
+// Compiled only for a DPAS kernel set; every other op stays portable.
 //
 // y[m, n] = x[m, :] · W[n, :] (+ bias[n]): a subgroup owns DPAS_MT tiles of 8 rows and DPAS_NT
 // tiles of SG columns, K in steps of 16. The matrix operands per the extension:
@@ -99,12 +100,10 @@ inline void load_a(__global const float* x, int row0, int M, int K, int k0, int 
 #endif
 }
 
-__attribute__((intel_reqd_sub_group_size(SG)))
-__kernel __attribute__((reqd_work_group_size(SG, 1, 1)))
-void dpas_gemm_bf16(__global const float* x, __global const ushort* w, __global const float* bias, int has_bias,
-                    __global float* y, int M, int N, int K) {
+// The subgroup's DPAS_MT row tiles from m0 and DPAS_NT column tiles from n0 of y.
+inline void dpas_gemm_tile(__global const float* x, __global const ushort* w, __global const float* bias, int has_bias,
+                           __global float* y, int M, int N, int K, int m0, int n0) {
     const int lane = get_sub_group_local_id();
-    const int n0 = get_group_id(0) * SG * DPAS_NT, m0 = get_group_id(1) * 8 * DPAS_MT;
     float8 acc[DPAS_MT][DPAS_NT];
     for (int mt = 0; mt < DPAS_MT; mt++)
         for (int t = 0; t < DPAS_NT; t++) acc[mt][t] = (float8)(0.f);
@@ -137,6 +136,28 @@ void dpas_gemm_bf16(__global const float* x, __global const ushort* w, __global 
             }
         }
     }
+}
+
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel __attribute__((reqd_work_group_size(SG, 1, 1)))
+void dpas_gemm_bf16(__global const float* x, __global const ushort* w, __global const float* bias, int has_bias,
+                    __global float* y, int M, int N, int K) {
+    dpas_gemm_tile(x, w, bias, has_bias, y, M, N, K, get_group_id(1) * 8 * DPAS_MT, get_group_id(0) * SG * DPAS_NT);
+}
+
+// The experts' grouped GEMM (host side in moe.rs; tile list as in moe.cl): subgroup (column
+// block, tile) runs the dense kernel's tiles over the tile's rows against its expert's W in the
+// stacked [E, N, K] buffer, DPAS_MT·8 rows at a time.
+__attribute__((intel_reqd_sub_group_size(SG)))
+__kernel __attribute__((reqd_work_group_size(SG, 1, 1)))
+void dpas_moe_gemm_bf16(__global const float* x, __global const ushort* w, __global const u32* tiles, __global float* y, int N, int K) {
+    const u32 t = get_group_id(1);
+    if (t >= tiles[0]) return;
+    const u32 start = tiles[1 + 3 * t], rows = tiles[2 + 3 * t], e = tiles[3 + 3 * t];
+    __global const float* xt = x + (size_t)start * K;
+    __global const ushort* we = w + (size_t)e * N * K;
+    for (int m0 = 0; m0 < (int)rows; m0 += 8 * DPAS_MT)
+        dpas_gemm_tile(xt, we, x, 0, y + (size_t)start * N, rows, N, K, m0, get_group_id(0) * SG * DPAS_NT);
 }
 
 // ---- LoRA on DPAS (host side in lora.rs; layouts and packed tiles as in lora.cl) -------------

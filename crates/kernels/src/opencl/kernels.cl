@@ -34,12 +34,8 @@ __kernel void add_inplace(__global float* a, __global const float* b, int n) {
 __kernel __attribute__((reqd_work_group_size(ROW_WG, 1, 1)))
 void rms_norm(__global const float* x, __global const float* w, __global float* out, int dim, float eps) {
     __local float sh[ROW_WG];
-    const int lid = get_local_id(0);
     const size_t base = (size_t)get_group_id(0) * dim;
-    float s = 0.f;
-    for (int i = lid; i < dim; i += ROW_WG) s = fma(x[base + i], x[base + i], s);
-    const float inv = rsqrt(group_sum(s, sh) / dim + eps);
-    for (int i = lid; i < dim; i += ROW_WG) out[base + i] = (x[base + i] * inv) * w[i];
+    row_rms_norm(x + base, w, out + base, dim, eps, sh);
 }
 
 // resid += delta; out = rmsnorm(resid) * w. Each work-item rereads only the elements it wrote.

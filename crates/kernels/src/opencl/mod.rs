@@ -4,8 +4,8 @@
 //!
 //! `opencl3` loads `libOpenCL.so.1` at run time, so every build has this device and a machine
 //! without OpenCL, or without an Intel GPU, gets an error naming what is missing. Our OpenCL C
-//! kernels (`common.cl`, `kernels.cl`, `gemm.cl`, `lora.cl`, and `dpas.cl` for Intel's matrix
-//! extension) are compiled at start-up for the device, tile sizes as `-D` defines from the same
+//! kernels (`common.cl`, `kernels.cl`, `gemm.cl`, `lora.cl`, `moe.cl`, and `dpas.cl` for Intel's
+//! matrix extension) are compiled at start-up for the device, tile sizes as `-D` defines from the same
 //! values the host's launch grids use (`tiles.rs`; `QUIVER_OPENCL_TILES` overrides them, so the
 //! kernels can be tuned on real hardware without a code change).
 //!
@@ -28,6 +28,7 @@ mod gemm;
 pub mod kernel_set;
 mod lora;
 mod memory;
+mod moe;
 mod platform;
 mod program;
 pub mod testing;
@@ -36,8 +37,9 @@ mod transfer;
 
 pub use kernel_set::KernelSet;
 pub use memory::ClBuf;
+pub use moe::ClRouting;
 
-use crate::{AttnBatch, DType, Device, DeviceKind, KvStorage, LoraCall, LoraSiteBuffers, LoraSiteShape, LoraTable, LoraX, RopeTable, Tensor, Weight, WeightData};
+use crate::{AttnBatch, DType, Device, DeviceKind, ExpertWeights, KvStorage, LoraCall, LoraSiteBuffers, LoraSiteShape, LoraTable, LoraX, MoeRouting, QkNorm, RopeTable, RouterSpec, Tensor, Weight, WeightData};
 use anyhow::{anyhow, bail, Result};
 use opencl3::command_queue::CommandQueue;
 use opencl3::context::Context;
@@ -117,20 +119,21 @@ impl OpenClDevice {
         if caps.max_work_group < need_wg {
             bail!("{name}: work-groups of at most {} work-items; Quiver's OpenCL kernels need {need_wg} (tiles {tiles:?})", caps.max_work_group);
         }
-        // The attention kernel's q, s and slots arrays beside the GEMMs'.
-        let need_local = tiles.local_mem_bytes().max(ATTN_WG * (ATTN_DPW + 2) * 4);
+        // The attention kernel's q, s and slots arrays and the MoE grouping's cursors beside the GEMMs'.
+        let need_local = tiles.local_mem_bytes().max(ATTN_WG * (ATTN_DPW + 2) * 4).max(moe::GROUP_LOCAL_BYTES);
         if caps.local_mem < need_local as u64 {
             bail!("{name}: {} bytes of local memory; Quiver's OpenCL kernels need {need_local} (tiles {tiles:?})", caps.local_mem);
         }
         let ctx = Context::from_device(&ClDevice::new(caps.id)).map_err(|e| anyhow!("{name}: creating an OpenCL context: {e}"))?;
         #[allow(deprecated)] // clCreateCommandQueue: the OpenCL 1.2 call every runtime has
         let queue = unsafe { CommandQueue::create(&ctx, caps.id, 0) }.map_err(|e| anyhow!("{name}: creating an OpenCL command queue: {e}"))?;
-        let options = format!("-cl-std=CL1.2 -DROW_WG={ROW_WG} -DATTN_WG={ATTN_WG} {}", tiles.defines(&set));
+        let options = format!("-cl-std=CL1.2 -DROW_WG={ROW_WG} -DATTN_WG={ATTN_WG} -DMOE_MAX_EXPERTS={} {}", crate::moe::MAX_EXPERTS, tiles.defines(&set));
         let mut kernels = HashMap::new();
         let sources = [
             program::Source { file: "kernels.cl", text: include_str!("kernels.cl") },
             program::Source { file: "gemm.cl", text: include_str!("gemm.cl") },
             program::Source { file: "lora.cl", text: include_str!("lora.cl") },
+            program::Source { file: "moe.cl", text: include_str!("moe.cl") },
         ];
         for src in sources.iter().chain(gemm::dpas_source(&set).as_ref()) {
             kernels.extend(program::build(&ctx, caps.id, &name, &set, src, &options)?);
@@ -270,35 +273,6 @@ impl Device for OpenClDevice {
         Weight { rows, cols, data: WeightData::OpenCl(b, dtype) }
     }
 
-    fn check_layer_ops(&self, qk_norm: bool, moe: bool) -> Result<(), String> {
-        let missing: Vec<&str> = [(qk_norm, "the q/k RMSNorm of Qwen3 / OLMoE attention"), (moe, "mixture-of-experts layers")].iter().filter(|m| m.0).map(|m| m.1).collect();
-        if missing.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("{} has no OpenCL kernels for {} yet; run this model with --device cpu or cuda", self.name, missing.join(" or ")))
-        }
-    }
-
-    // Refused at load by check_layer_ops: a model that needs these never reaches them here.
-    fn qk_norm(&self, _: &mut Tensor, _: usize, _: usize, _: usize, _: usize, _: &crate::QkNorm) {
-        unreachable!("qk_norm on OpenCL: refused at load by check_layer_ops")
-    }
-    fn moe_route(&self, _: &Tensor, _: usize, _: &mut crate::MoeRouting) {
-        unreachable!("moe_route on OpenCL: refused at load by check_layer_ops")
-    }
-    fn moe_gather(&self, _: &Tensor, _: usize, _: &crate::MoeRouting, _: &mut Tensor) {
-        unreachable!("moe_gather on OpenCL: refused at load by check_layer_ops")
-    }
-    fn moe_matmul(&self, _: &Tensor, _: &crate::MoeRouting, _: &crate::ExpertWeights, _: &mut Tensor) {
-        unreachable!("moe_matmul on OpenCL: refused at load by check_layer_ops")
-    }
-    fn moe_combine(&self, _: &Tensor, _: &crate::MoeRouting, _: usize, _: &mut Tensor) {
-        unreachable!("moe_combine on OpenCL: refused at load by check_layer_ops")
-    }
-    fn add_sigmoid_gated(&self, _: &mut Tensor, _: &Tensor, _: &Tensor, _: usize, _: usize) {
-        unreachable!("add_sigmoid_gated on OpenCL: refused at load by check_layer_ops")
-    }
-
     fn check_head_dim(&self, head_dim: usize) -> Result<(), String> {
         if head_dim == 0 || head_dim > MAX_HEAD_DIM || !head_dim.is_multiple_of(2) {
             return Err(format!("head_dim {head_dim} is not supported on {} (even, at most {MAX_HEAD_DIM})", self.name));
@@ -435,8 +409,44 @@ impl Device for OpenClDevice {
         lora::TILE_ROWS
     }
 
+    fn lora_experts_supported(&self) -> Result<(), String> {
+        Err("not on OpenCL yet (the routing stays on the device and no grouped expert-LoRA kernel exists; the CPU device runs it)".into())
+    }
+
     fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
         self.lora_apply_impl(call, x, y)
+    }
+
+    fn qk_norm(&self, qkv: &mut Tensor, rows: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize, norm: &QkNorm) {
+        self.qk_norm_impl(qkv, rows, n_heads, n_kv_heads, head_dim, norm)
+    }
+
+    fn load_experts(&self, rows: usize, cols: usize, experts: Vec<Weight>) -> ExpertWeights {
+        self.load_experts_impl(rows, cols, experts)
+    }
+
+    fn alloc_routing(&self, max_rows: usize, spec: RouterSpec) -> MoeRouting {
+        self.alloc_routing_impl(max_rows, spec)
+    }
+
+    fn moe_route(&self, logits: &Tensor, m: usize, route: &mut MoeRouting) {
+        self.route_impl(logits, m, route)
+    }
+
+    fn moe_gather(&self, x: &Tensor, dim: usize, route: &MoeRouting, out: &mut Tensor) {
+        self.gather_impl(x, dim, route, out)
+    }
+
+    fn moe_matmul(&self, x: &Tensor, route: &MoeRouting, w: &ExpertWeights, y: &mut Tensor) {
+        self.grouped_matmul_impl(x, route, w, y)
+    }
+
+    fn moe_combine(&self, y: &Tensor, route: &MoeRouting, dim: usize, out: &mut Tensor) {
+        self.combine_impl(y, route, dim, out)
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut Tensor, x: &Tensor, gate: &Tensor, rows: usize, dim: usize) {
+        self.add_sigmoid_gated_impl(out, x, gate, rows, dim)
     }
 }
 

@@ -21,11 +21,14 @@ pub(super) struct Tiles {
     /// Row tiles of 8 and column tiles of one subgroup width per DPAS subgroup.
     pub(super) dpas_mt: usize,
     pub(super) dpas_nt: usize,
+    /// Most grouped rows of one expert per tile of the experts' grouped GEMM (a work-group row
+    /// of its grid; the GEMM and DPAS tiles run over them in turn).
+    pub(super) moe_tile_m: usize,
 }
 
 impl Default for Tiles {
     fn default() -> Self {
-        Tiles { gemm_t: 16, gemv_wg: 64, gemv_kc: 64, dpas_mt: 2, dpas_nt: 2 }
+        Tiles { gemm_t: 16, gemv_wg: 64, gemv_kc: 64, dpas_mt: 2, dpas_nt: 2, moe_tile_m: 32 }
     }
 }
 
@@ -44,7 +47,8 @@ impl Tiles {
                 // Accumulators live in registers: 8 floats a lane per (row tile, column tile).
                 "DPAS_MT" => (&mut t.dpas_mt, 1, 4),
                 "DPAS_NT" => (&mut t.dpas_nt, 1, 4),
-                n => bail!("QUIVER_OPENCL_TILES: unknown tile `{n}` (expected GEMM_T, GEMV_WG, GEMV_KC, DPAS_MT, DPAS_NT)"),
+                "MOE_TILE_M" => (&mut t.moe_tile_m, 1, 1024),
+                n => bail!("QUIVER_OPENCL_TILES: unknown tile `{n}` (expected GEMM_T, GEMV_WG, GEMV_KC, DPAS_MT, DPAS_NT, MOE_TILE_M)"),
             };
             if !(lo..=hi).contains(&v) {
                 bail!("QUIVER_OPENCL_TILES: {name}={v} is outside {lo}..={hi}");
@@ -61,7 +65,7 @@ impl Tiles {
 
     /// The `-D` defines every program of the set is compiled with.
     pub(super) fn defines(&self, set: &KernelSet) -> String {
-        let mut d = format!("-DGEMM_T={} -DGEMV_WG={} -DGEMV_KC={}", self.gemm_t, self.gemv_wg, self.gemv_kc);
+        let mut d = format!("-DGEMM_T={} -DGEMV_WG={} -DGEMV_KC={} -DMOE_TILE_M={}", self.gemm_t, self.gemv_wg, self.gemv_kc, self.moe_tile_m);
         if let KernelSet::Dpas { .. } = set {
             d.push_str(&format!(" -DDPAS_MT={} -DDPAS_NT={}", self.dpas_mt, self.dpas_nt));
         }
@@ -88,8 +92,9 @@ mod tests {
     #[test]
     fn overrides_apply_and_bad_specs_name_the_tile() {
         assert_eq!(Tiles::parse("").unwrap(), Tiles::default());
-        let t = Tiles::parse("GEMM_T=8, DPAS_NT=4").unwrap();
-        assert_eq!((t.gemm_t, t.dpas_nt, t.gemv_wg), (8, 4, 64));
+        let t = Tiles::parse("GEMM_T=8, DPAS_NT=4, MOE_TILE_M=5").unwrap();
+        assert_eq!((t.gemm_t, t.dpas_nt, t.gemv_wg, t.moe_tile_m), (8, 4, 64, 5));
+        assert!(t.defines(&KernelSet::Portable).contains("-DMOE_TILE_M=5"));
         assert!(t.defines(&KernelSet::Dpas { lanes: 16, emulated: false }).contains("-DDPAS_NT=4"));
         assert!(!t.defines(&KernelSet::Portable).contains("DPAS"));
         for (bad, says) in [("GEMM_T=0", "GEMM_T=0"), ("FOO=1", "FOO"), ("GEMV_KC", "NAME=VALUE"), ("DPAS_MT=x", "DPAS_MT=x")] {
