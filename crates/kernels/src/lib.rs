@@ -398,6 +398,12 @@ pub trait Device: Send + Sync {
     fn check_layer_ops(&self, _qk_norm: bool, _moe: bool) -> Result<(), String> {
         Ok(())
     }
+    /// Whether one buffer of `bytes` can be allocated (the largest weight a model loads, a
+    /// layer's stacked experts): checked at load, so a model too big for the device's largest
+    /// allocation is an error naming the limit, not a failure mid-load.
+    fn check_alloc(&self, _bytes: usize) -> Result<(), String> {
+        Ok(())
+    }
     /// Bytes per K/V element in the caches this device allocates.
     fn kv_elem_bytes(&self) -> usize {
         4

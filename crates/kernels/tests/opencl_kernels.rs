@@ -65,3 +65,14 @@ fn moe_routing_matches_cpu() {
     let g = testing::device(KernelSet::Portable);
     device_kernels::moe::moe_routing_matches_cpu(&g, &|r| g.read_routing(r));
 }
+
+/// A buffer past the device's largest allocation is refused by `check_alloc` (which model load
+/// calls with the model's largest weight), naming the limit; one within it is not.
+#[test]
+fn allocations_past_the_device_limit_are_refused_by_name() {
+    use quiver_kernels::Device;
+    let g = testing::device(KernelSet::Portable);
+    let err = g.check_alloc(usize::MAX / 2).expect_err("a buffer of half the address space was accepted");
+    assert!(err.contains("CL_DEVICE_MAX_MEM_ALLOC_SIZE"), "{err}");
+    g.check_alloc(1 << 20).expect("a 1 MiB buffer");
+}

@@ -166,6 +166,12 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
     device.check_head_dim(c.head_dim).map_err(|e| anyhow::anyhow!("{}: {e}", src.path().display()))?;
     device.check_layer_ops(c.qk_norm.is_some(), c.moe.is_some()).map_err(|e| anyhow::anyhow!("{}: {e}", src.path().display()))?;
     let (h, q, kv, inter) = (c.hidden_size, c.q_out(), c.kv_out(), c.intermediate_size);
+    // The largest single buffer the model needs on the device: the embedding / LM head, a fused
+    // qkv or gate_up weight, a layer's stacked experts.
+    let elem = if dtype == DType::Bf16 { 2 } else { 4 };
+    let experts = c.moe.as_ref().map_or(0, |m| m.num_experts * 2 * m.expert_intermediate * h);
+    let largest = [c.vocab_size * h, (q + 2 * kv) * h, 2 * inter * h, experts].into_iter().max().unwrap_or(0) * elem;
+    device.check_alloc(largest).map_err(|e| anyhow::anyhow!("{}: {e}", src.path().display()))?;
     let wt = |rows: usize, cols: usize, data: Vec<f32>| device.load_weight(Weight::from_f32(rows, cols, data, dtype));
     let embed = wt(c.vocab_size, h, load(src, &names.embed(), &[c.vocab_size, h])?);
     let mut layers = Vec::with_capacity(c.num_layers);

@@ -166,8 +166,9 @@ impl OpenClDevice {
 
     /// A zeroed buffer of `bytes`.
     fn zeroed(&self, bytes: usize) -> ClBuf {
-        if bytes as u64 > self.caps.max_alloc {
-            panic!("{}: a buffer of {bytes} bytes is larger than the device's largest allocation ({} bytes, CL_DEVICE_MAX_MEM_ALLOC_SIZE)", self.name, self.caps.max_alloc);
+        // Models are checked at load (`Device::check_alloc`); this is the last line of defence.
+        if let Err(e) = self.check_alloc(bytes) {
+            panic!("{e}");
         }
         let mut b = ClBuf::new(&self.ctx, bytes, &self.allocated).unwrap_or_else(|e| self.fail("allocation", format!("{e:#}")));
         let size = b.bytes.max(4).next_multiple_of(4);
@@ -271,6 +272,13 @@ impl Device for OpenClDevice {
             _ => panic!("OpenCL load_weight given a weight another device already loaded (build a fresh Weight per device)"),
         };
         Weight { rows, cols, data: WeightData::OpenCl(b, dtype) }
+    }
+
+    fn check_alloc(&self, bytes: usize) -> Result<(), String> {
+        if bytes as u64 > self.caps.max_alloc {
+            return Err(format!("{}: a buffer of {bytes} bytes is larger than the device's largest allocation ({} bytes, CL_DEVICE_MAX_MEM_ALLOC_SIZE)", self.name, self.caps.max_alloc));
+        }
+        Ok(())
     }
 
     fn check_head_dim(&self, head_dim: usize) -> Result<(), String> {
