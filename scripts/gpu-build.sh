@@ -21,3 +21,8 @@ tok=${QUIVER_CACHE:-.cache}/ref/models/tiny-qwen2
 cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json .gpu/tok/
 [ -f "$tok/special_tokens_map.json" ] && cp "$tok/special_tokens_map.json" .gpu/tok/
 du -sh .gpu
+# What the device carries is at most 64 MiB with the working tree: the binaries go packed
+# (xz, about a quarter), unpacked there with `tar xJf .gpu-pack/gpu.tar.xz` before the scripts.
+mkdir -p .gpu-pack
+tar cJf .gpu-pack/gpu.tar.xz .gpu
+du -sh .gpu-pack

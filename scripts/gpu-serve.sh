@@ -5,7 +5,9 @@
 # a greedy draw per row on the device, contexts 160..224 as a served 128-in / 128-out request
 # decodes at 128..256), then one `quiver serve` with the GPU defaults and `quiver
 # bench serve` at each concurrency, 128 tokens in, 128 out, --ignore-eos, base model. Prints
-# output tok/s, the ratio to the ceiling at the same batch, TTFT / TPOT / ITL percentiles.
+# output tok/s, the ratio to the ceiling at the same batch and to the load's ceiling (the same
+# requests' prefill steps too, which the decode ceiling leaves out: at 256 × 128 prompt tokens a
+# quarter of the GPU time), TTFT / TPOT / ITL percentiles.
 #
 #   SERVE_CONC       concurrencies (default "1 16 64 256")
 #   SERVE_PROMPTS    prompts per run = max(8, this × concurrency) (default 3)
@@ -42,20 +44,27 @@ done
 python3 - "$DATA/serve" "$concs" <<'PY' | tee "$OUT/serve-engine.txt"
 import json, os, sys
 d, concs = sys.argv[1], sys.argv[2].split()
-ceil = {}
+ceil, load = {}, {}
 p = os.path.join(d, "ceiling.json")
+IN = OUT = 128
 if os.path.exists(p):
     j = json.load(open(p))
     for r in j.get("decode", j.get("rows", [])):
-        ceil[str(r["batch"])] = r["tok_s"]
-print(f"{'conc':>5}{'ceiling':>10}{'served':>10}{'ratio':>7}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'failed':>7}")
+        b = r["batch"]
+        ceil[str(b)] = r["tok_s"]
+        # The load's own ceiling: a wave of b requests is b prompts prefilled (at the rate the
+        # bench measured for b prompts in one step) plus OUT - 1 decode steps of b rows.
+        if r.get("prefill_tok_s"):
+            load[str(b)] = b * OUT / (b * IN / r["prefill_tok_s"] + (OUT - 1) * b / r["tok_s"])
+print("ceiling: decode steps alone; load: the same load's prefill and decode steps back to back (no host time)")
+print(f"{'conc':>5}{'ceiling':>10}{'load':>9}{'served':>10}{'ratio':>7}{'/load':>7}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'failed':>7}")
 for c in concs:
     p = os.path.join(d, f"engine-c{c}.json")
     if not os.path.exists(p):
         print(f"{c:>5}   (missing)")
         continue
     s = json.load(open(p))
-    cl = ceil.get(c, float("nan"))
+    cl, ld = ceil.get(c, float("nan")), load.get(c, float("nan"))
     t, tp, it = s["ttft_ms"], s["tpot_ms"], s["itl_ms"]
-    print(f"{c:>5}{cl:>10.1f}{s['output_throughput']:>10.1f}{s['output_throughput'] / cl:>7.3f}{t['median']:>10.1f}{t['p99']:>8.1f}{tp['median']:>10.2f}{tp['p99']:>8.2f}{it['median']:>9.2f}{it['p99']:>8.2f}{s['failed']:>7}")
+    print(f"{c:>5}{cl:>10.1f}{ld:>9.1f}{s['output_throughput']:>10.1f}{s['output_throughput'] / cl:>7.3f}{s['output_throughput'] / ld:>7.3f}{t['median']:>10.1f}{t['p99']:>8.1f}{tp['median']:>10.2f}{tp['p99']:>8.2f}{it['median']:>9.2f}{it['p99']:>8.2f}{s['failed']:>7}")
 PY

@@ -35,6 +35,12 @@ pub struct BenchEngineArgs {
     pub rounds: usize,
     #[arg(long)]
     pub output_json: Option<PathBuf>,
+    /// `cpu`, `cuda` or `cuda:N`; a GPU gets the server's GPU limits (`EngineConfig::for_gpu`).
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceKind,
+    /// Run one scenario alone (base, one, distinct, constrained), e.g. under a device profile.
+    #[arg(long)]
+    pub only: Option<String>,
 }
 
 pub fn run(a: BenchEngineArgs) -> Result<()> {
@@ -42,9 +48,14 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
         anyhow::bail!("--adapters, --streams and --rounds must be at least 1 (the base scenario always runs; --adapters is the distinct-adapter count of the last scenario)");
     }
     let path = model_path::resolve(a.model.clone())?;
-    let lm = load_model(&path, open_device(DeviceKind::Cpu)?, a.dtype)?;
-    let cfg = EngineConfig { lora_backend: a.lora_backend.clone(), ..Default::default() };
-    let o = BenchOptions { streams: a.streams, max_tokens: a.max_tokens, prompt_tokens: a.prompt_tokens, rank: a.rank, num_adapters: a.adapters, rounds: a.rounds };
+    let only = match a.only.as_deref() {
+        None => None,
+        Some(s) => Some(["base", "one", "distinct", "constrained"].iter().position(|&n| n == s).ok_or_else(|| anyhow::anyhow!("--only {s}: expected base, one, distinct or constrained"))?),
+    };
+    let lm = load_model(&path, open_device(a.device)?, a.dtype)?;
+    let base = if a.device == DeviceKind::Cpu { EngineConfig::default() } else { EngineConfig::for_gpu() };
+    let cfg = EngineConfig { lora_backend: a.lora_backend.clone(), ..base };
+    let o = BenchOptions { streams: a.streams, max_tokens: a.max_tokens, prompt_tokens: a.prompt_tokens, rank: a.rank, num_adapters: a.adapters, rounds: a.rounds, only };
     println!("model {} | dtype {:?} | {} threads | backend {} | cpu gemm {}", path.display(), a.dtype, rayon::current_num_threads(), a.lora_backend, quiver_kernels::cpu::gemm_kind());
     let res = bench_engine(lm, cfg, &o)?;
     for r in &res {

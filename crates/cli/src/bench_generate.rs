@@ -62,8 +62,9 @@ fn prefill_tok_s(m: &LlamaModel, len: usize) -> f64 {
     len as f64 / t.elapsed().as_secs_f64()
 }
 
-/// Decode tokens per second with `n` sequences stepping together after a `prompt`-token prompt each.
-fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize, prompt_len: usize) -> f64 {
+/// Decode tokens per second with `n` sequences stepping together after a `prompt`-token prompt
+/// each, and the tokens per second of prefilling those `n` prompts in one step.
+fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize, prompt_len: usize) -> (f64, f64) {
     let bs = 16;
     let ctx = prompt_len + steps + 1;
     let per = ctx.div_ceil(bs);
@@ -79,7 +80,10 @@ fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize, prompt_len: usize) -> f6
         let prompt: Vec<u32> = (0..prompt_len).map(|i| token(s, i)).collect();
         b.push_seq(&prompt, 0, t, LogitsFor::Last);
     }
-    m.forward(&b, &mut kv, &mut ws, &NoLora);
+    let t = Instant::now();
+    m.forward_on_device(&b, &mut kv, &mut ws, &NoLora);
+    m.device.wait();
+    let prefill = (n * prompt_len) as f64 / t.elapsed().as_secs_f64();
     // Each step ends as a served one does: a greedy draw per row on the device, only the
     // tokens coming back.
     let specs: Vec<SampleSpec> = (0..n as u32).map(|row| SampleSpec { row, logprobs: -1, ..Default::default() }).collect();
@@ -93,7 +97,7 @@ fn decode_tok_s(m: &LlamaModel, n: usize, steps: usize, prompt_len: usize) -> f6
         m.forward_on_device(&b, &mut kv, &mut ws, &NoLora);
         m.sample(&ws, &specs, &mut outs);
     }
-    (n * steps) as f64 / start.elapsed().as_secs_f64()
+    ((n * steps) as f64 / start.elapsed().as_secs_f64(), prefill)
 }
 
 /// What the device itself sustains, measured through its own ops: copy bandwidth (`add_inplace`
@@ -150,7 +154,7 @@ pub fn run(a: BenchGenerateArgs) -> Result<()> {
     }
     let wbytes = weight_elems(m) * if a.dtype == DType::Bf16 { 2.0 } else { 4.0 };
     // Warm-up: fault in weights and grow scratch buffers.
-    decode_tok_s(m, 1, 4, 32);
+    let _ = decode_tok_s(m, 1, 4, 32);
     let pp = median((0..a.reps).map(|_| prefill_tok_s(m, a.prompt_len)).collect());
     print!("pp{:<5} {:>10.1} tok/s", a.prompt_len, pp);
     if let Some(c) = &ceilings {
@@ -160,15 +164,18 @@ pub fn run(a: BenchGenerateArgs) -> Result<()> {
     println!();
     let mut rows = Vec::new();
     for &n in &a.batch_sizes {
-        let tg = median((0..a.reps).map(|_| decode_tok_s(m, n, a.decode_steps, a.decode_context)).collect());
-        print!("decode batch {:<4} {:>10.1} tok/s  ({:.1} tok/s per sequence)", n, tg, tg / n as f64);
+        let runs: Vec<(f64, f64)> = (0..a.reps).map(|_| decode_tok_s(m, n, a.decode_steps, a.decode_context)).collect();
+        let tg = median(runs.iter().map(|r| r.0).collect());
+        // The batch's prompts prefilled in one step (the first rep faults in scratch for them).
+        let pf = median(runs.iter().skip((runs.len() > 1) as usize).map(|r| r.1).collect());
+        print!("decode batch {:<4} {:>10.1} tok/s  ({:.1} tok/s per sequence; its {n} prompts prefilled at {pf:.0} tok/s)", n, tg, tg / n as f64);
         if let Some(c) = &ceilings {
             // A decode step streams every weight once whatever the batch.
             let gb = wbytes * tg / n as f64 / 1e9;
             print!("  weights {gb:.1} GB/s = {:.2} of copy", gb / c.copy_gb_s);
         }
         println!();
-        rows.push(serde_json::json!({"batch": n, "tok_s": tg}));
+        rows.push(serde_json::json!({"batch": n, "tok_s": tg, "prefill_tok_s": pf, "prompt_len": a.decode_context}));
     }
     if let Some(p) = a.output_json {
         let j = serde_json::json!({

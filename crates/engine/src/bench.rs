@@ -53,11 +53,14 @@ pub struct BenchOptions {
     pub num_adapters: usize,
     /// Times the three scenarios run, alternating.
     pub rounds: usize,
+    /// Run this scenario alone (0 base, 1 one adapter, 2 distinct adapters, 3 constrained):
+    /// a device profile of the process then covers it only. Its ratio to base is then NaN.
+    pub only: Option<usize>,
 }
 
 impl Default for BenchOptions {
     fn default() -> Self {
-        BenchOptions { streams: 16, max_tokens: 128, prompt_tokens: 16, rank: 16, num_adapters: 4, rounds: 1 }
+        BenchOptions { streams: 16, max_tokens: 128, prompt_tokens: 16, rank: 16, num_adapters: 4, rounds: 1, only: None }
     }
 }
 
@@ -132,7 +135,9 @@ pub fn bench_engine(model: LoadedModel, mut cfg: EngineConfig, o: &BenchOptions)
     let mut runs = vec![Vec::new(); scenarios.len()];
     for _ in 0..o.rounds.max(1) {
         for (s, (name, ads, every)) in scenarios.iter().enumerate() {
-            runs[s].push(run_scenario(&h, name, o, ads, *every, vocab)?);
+            if o.only.is_none_or(|only| only == s) {
+                runs[s].push(run_scenario(&h, name, o, ads, *every, vocab)?);
+            }
         }
     }
     h.shutdown_and_join();
@@ -140,6 +145,7 @@ pub fn bench_engine(model: LoadedModel, mut cfg: EngineConfig, o: &BenchOptions)
     let out = scenarios
         .iter()
         .zip(&runs)
+        .filter(|(_, rs)| !rs.is_empty())
         .map(|((name, _, _), rs)| BenchResult {
             scenario: name.to_string(),
             streams: o.streams,

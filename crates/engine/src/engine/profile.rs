@@ -36,8 +36,9 @@ impl StepProfile {
     }
 
     /// The step that ran `rows` sequences over `tokens` tokens is over (its `emit` phase ends at
-    /// the next `messages` mark, so it is counted with the following step).
-    pub(super) fn end_step(&mut self, rows: usize, tokens: usize) {
+    /// the next `messages` mark, so it is counted with the following step). `device_stats` (the
+    /// device's own counters: graphs recorded and replayed, ...) is printed with each report.
+    pub(super) fn end_step(&mut self, rows: usize, tokens: usize, device_stats: impl FnOnce() -> Option<String>) {
         let acc = if rows == tokens { &mut self.decode } else { &mut self.mixed };
         for (t, c) in acc.0.iter_mut().zip(&self.current) {
             *t += c;
@@ -55,6 +56,9 @@ impl StepProfile {
                 let parts: Vec<String> = PHASES.iter().zip(&acc.0).map(|(n, &t)| format!("{n} {:.3}", per(t))).collect();
                 eprintln!("quiver: engine profile, {what} steps: {} of {:.1} rows, ms per step: {} (total {:.3})", acc.1, acc.2 as f64 / acc.1 as f64, parts.join(", "), per(total));
                 *acc = ([0.0; PHASES.len()], 0, 0);
+            }
+            if let Some(s) = device_stats() {
+                eprintln!("quiver: engine profile, device: {s}");
             }
         }
     }

@@ -30,7 +30,7 @@ impl Core {
         self.finish_in_flight();
         self.draw();
         if let Some(p) = self.profile.as_mut() {
-            p.end_step(self.sched.len(), self.batch.tokens.len());
+            p.end_step(self.sched.len(), self.batch.tokens.len(), || self.model.device.stats());
         }
         self.sched.clear();
         true
