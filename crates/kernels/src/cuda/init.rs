@@ -81,6 +81,15 @@ impl CudaDevice {
                 false
             }
         };
+        // Decode attention by KV head from this many rows (`decode_attention.cu`); below it the
+        // per-query-head kernel, whose 16-warp blocks split a short batch's context finer.
+        let attn_gqa_min_rows = match std::env::var("QUIVER_CUDA_ATTN_GQA_MIN_ROWS") {
+            Err(_) => attention::ATTN_GQA_MIN_ROWS,
+            Ok(v) => v.parse().unwrap_or_else(|_| {
+                tracing::warn!("QUIVER_CUDA_ATTN_GQA_MIN_ROWS={v:?} is not a row count: {} (the default)", attention::ATTN_GQA_MIN_ROWS);
+                attention::ATTN_GQA_MIN_ROWS
+            }),
+        };
         Ok(CudaDevice {
             ordinal,
             sms,
@@ -110,6 +119,7 @@ impl CudaDevice {
             lora_ahead_min_rows,
             lora_ahead_launches: Default::default(),
             lora_row1_beside,
+            attn_gqa_min_rows,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),
         })
     }

@@ -155,6 +155,9 @@ pub struct CudaDevice {
     /// Long prompts' LoRA GEMMs write the delta before the base GEMM accumulates onto it
     /// (`QUIVER_CUDA_LORA_GEMM_FIRST=0`: after, accumulating): see `lora_gemm.rs`.
     lora_gemm_first: bool,
+    /// Steps of at least this many decode rows take the attention by KV head
+    /// (`QUIVER_CUDA_ATTN_GQA_MIN_ROWS`).
+    attn_gqa_min_rows: usize,
 }
 
 // SAFETY: the raw stream and function handles are used only under the device's discipline
@@ -187,6 +190,7 @@ macro_rules! launch {
 mod gemm;
 mod graphs;
 mod init;
+mod attention;
 mod lora;
 mod lora_ahead;
 mod lora_gemm;
@@ -210,17 +214,6 @@ use transfer::{CopyStream, StagedSlice, MAX_EXTRA};
 /// warp count), at most 1024. A decode row is then one load per thread instead of a serial chain.
 fn row_threads(items: usize) -> (u32, u32, u32) {
     ((items.div_ceil(32) * 32).clamp(32, 1024) as u32, 1, 1)
-}
-
-/// Threads per block of the decode attention (at most `ATTN_WARPS` × 32 in kernels.cu): 16 warps
-/// split a short batch's context finely (batch-1 latency); from 8 rows on, 8 warps, so more of a
-/// large batch's many small blocks fit on an SM at once (16-warp blocks cost batch 256 ~6%).
-fn attn_threads(rows: usize) -> u32 {
-    if rows < 8 {
-        512
-    } else {
-        256
-    }
 }
 
 fn grid1(n: usize, threads: u32) -> (u32, u32, u32) {
@@ -520,39 +513,7 @@ impl Device for CudaDevice {
     }
 
     fn paged_attention(&self, qkv: &Tensor, b: &AttnBatch<'_>, kv: &mut KvStorage, layer: usize, n_heads: usize, scale: f32, out: &mut Tensor) {
-        self.bind();
-        let rows = b.positions.len();
-        if rows == 0 {
-            return;
-        }
-        let l = kv.layout;
-        debug_assert!(l.head_dim <= MAX_HEAD_DIM, "refused at load by check_head_dim");
-        let mut st = self.state.lock().unwrap();
-        let rs = self.row_seq_ptr(&mut st, b);
-        let pp = self.meta_ptr(&mut st, b.positions);
-        let bt = self.meta_ptr(&mut st, b.block_tables);
-        let (kc, vc) = (buf(&kv.k[layer]), buf(&kv.v[layer]));
-        let stride = b.block_table_stride as i32;
-        launch!(self, self.k.kv_write, (rows as u32, 1, 1), row_threads(l.n_kv_heads * l.head_dim);
-            buf(qkv), rs, pp, bt, stride, kc, vc, n_heads as i32, l.n_kv_heads as i32, l.head_dim as i32, l.block_size as i32);
-        self.mark("kv_write");
-        let (tiles_at, n_tiles) = st.tiles;
-        if n_tiles < rows && l.head_dim <= PREFILL_MAX_HEAD_DIM {
-            // Some sequence brings several rows (prefill): tensor-core tiles of PREFILL_ROWS rows.
-            let hd = l.head_dim;
-            let f = self.k.prefill_attention[hd.div_ceil(32) - 1];
-            let smem = prefill_smem_bytes(32 * hd.div_ceil(32)) as u32;
-            let tp = st.meta.ptr + 4 * tiles_at as u64;
-            let ob = self.shadow_for(&mut st, rows, n_heads * hd);
-            launch!(self, f, (n_tiles as u32, n_heads as u32, 1), (PREFILL_THREADS, 1, 1), smem = smem;
-                buf(qkv), kc, vc, tp, pp, bt, stride, buf(out), ob, n_heads as i32, l.n_kv_heads as i32, hd as i32, l.block_size as i32, scale);
-            self.set_shadow(&mut st, ob, buf(out), rows * n_heads * hd);
-            self.mark("attention prefill");
-        } else {
-            launch!(self, self.k.paged_attention, (rows as u32, n_heads as u32, 1), (attn_threads(rows), 1, 1);
-                buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), n_heads as i32, l.n_kv_heads as i32, l.head_dim as i32, l.block_size as i32, scale);
-            self.mark("attention decode");
-        }
+        self.paged_attention_impl(qkv, b, kv, layer, n_heads, scale, out)
     }
 
     fn stats(&self) -> Option<String> {

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 /// `kernels.cu`, `lora.cu`, `lora_ahead.cu`, `moe.cu` then `sample.cu`, one module (the later
 /// files use the helpers of `kernels.cu`).
-pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("moe.cu"), include_str!("sample.cu"));
+pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("moe.cu"), include_str!("sample.cu"));
 
 pub(super) struct Kernels {
     pub(super) f32_to_bf16: sys::CUfunction,
@@ -25,6 +25,9 @@ pub(super) struct Kernels {
     pub(super) silu_mul: sys::CUfunction,
     pub(super) kv_write: sys::CUfunction,
     pub(super) paged_attention: sys::CUfunction,
+    /// Decode attention by KV head (`decode_attention.cu`) for head_dim 64, 128, 256 (index),
+    /// up to 4 and up to 8 query heads per KV head.
+    pub(super) paged_attention_gqa: [[sys::CUfunction; 3]; 2],
     /// Tensor-core prefill attention for head_dim rounded up to 32, 64, 96, 128.
     pub(super) prefill_attention: [sys::CUfunction; 4],
     /// Single-row GEMV for k % 8 == 0 (cp.async-streamed W), and the plain one for any k.
@@ -65,6 +68,10 @@ impl Kernels {
             silu_mul: f("silu_mul")?,
             kv_write: f("kv_write")?,
             paged_attention: f("paged_attention")?,
+            paged_attention_gqa: [
+                [f("paged_attention_gqa_64_4")?, f("paged_attention_gqa_128_4")?, f("paged_attention_gqa_256_4")?],
+                [f("paged_attention_gqa_64_8")?, f("paged_attention_gqa_128_8")?, f("paged_attention_gqa_256_8")?],
+            ],
             prefill_attention: [f("prefill_attention_32")?, f("prefill_attention_64")?, f("prefill_attention_96")?, f("prefill_attention_128")?],
             gemv1_bf16: f("gemv1_bf16")?,
             gemv1_silu_bf16: f("gemv1_silu_bf16")?,

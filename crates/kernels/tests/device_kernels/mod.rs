@@ -220,9 +220,14 @@ pub fn rope_matches_cpu(g: &dyn Device) {
 /// a cached prefix): every step's output against the CPU. Lengths straddle the prefill kernel's
 /// 64-row and 64-key tiles; head dims that are not multiples of its 32-dim padding.
 pub fn paged_attention_matches_cpu(g: &dyn Device, tol: &Tolerances) {
+    paged_attention_cases_match_cpu(g, tol, &[(4, 4, 16, 16), (9, 3, 64, 16), (32, 8, 128, 16), (6, 2, 80, 8), (8, 2, 96, 16), (4, 1, 40, 16), (2, 2, 8, 16), (3, 1, 20, 16)]);
+}
+
+/// The checks of [`paged_attention_matches_cpu`] over `(q heads, kv heads, head dim, block size)`.
+pub fn paged_attention_cases_match_cpu(g: &dyn Device, tol: &Tolerances, cases: &[(usize, usize, usize, usize)]) {
     let c = CpuDevice::new();
     let mut r = Rng::fresh("attention");
-    for &(nh, nkv, hd, bs) in &[(4, 4, 16, 16), (9, 3, 64, 16), (32, 8, 128, 16), (6, 2, 80, 8), (8, 2, 96, 16), (4, 1, 40, 16), (2, 2, 8, 16), (3, 1, 20, 16)] {
+    for &(nh, nkv, hd, bs) in cases {
         let lens = [1usize, 5, 17, 40, 64, 130, 200, 3]; // 8 rows in the decode step
         let chunk = 70;
         let max_blocks = (lens.iter().max().unwrap() + 1 + chunk).div_ceil(bs);
