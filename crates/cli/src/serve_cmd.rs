@@ -221,11 +221,6 @@ pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
     c.disable_overlap_schedule = a.disable_overlap_schedule;
     if c.disable_overlap_schedule {
         eprintln!("quiver: overlapped scheduling is off (--disable-overlap-schedule): each step finishes before the next is scheduled");
-    } else if matches!(a.device, DeviceKind::Cuda(_)) && std::env::var("QUIVER_OVERLAP_SCHEDULE").as_deref() != Ok("1") {
-        // Its CUDA side (draws collected on the copy stream, the next step's ids resolved on the
-        // GPU) has passed every CPU and OpenCL check but has not run on a GPU yet.
-        c.disable_overlap_schedule = true;
-        eprintln!("quiver: overlapped scheduling is off on CUDA until its GPU checks have run (QUIVER_OVERLAP_SCHEDULE=1 turns it on)");
     }
     c.max_model_len = a.max_model_len;
     c.lora_dir = a.lora_dir.clone();
