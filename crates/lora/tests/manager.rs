@@ -135,3 +135,27 @@ fn versions_replace_and_in_flight() {
     assert!(v3.version > v2.version);
     assert!(matches!(m.unload_adapter("zz"), Err(LoraError::UnknownAdapter(_))));
 }
+
+/// A recorded step reads the staged tile list of the grouping it was recorded with, so steps
+/// whose backend takes segments and steps whose backend takes chunks must not share a key: a
+/// step recorded over one adapter's single segment, replayed for interleaved adapters, read
+/// their one-row segments (correct, but a tile per row: 256-row decode steps ran ~50% slower).
+#[test]
+fn shape_key_follows_the_grouping_kind() {
+    use quiver_lora::LoraHook;
+    let mut m = mgr(2, EvictionPolicy::Lru, 8);
+    let (a, b) = (load(&mut m, "a", 1), load(&mut m, "b", 2));
+    let key = |m: &mut LoraManager, keys: &[AdapterKey]| {
+        let seqs: Vec<_> = keys.iter().map(|k| Some(*k)).collect();
+        let starts: Vec<u32> = (0..=keys.len() as u32).collect();
+        m.prepare_batch(&seqs, &starts, &[]).unwrap().shape_key()
+    };
+    let one = key(&mut m, &[a; 8]); // one 8-row segment: auto takes segments
+    let runs = key(&mut m, &[a, a, a, a, b, b, b, b]); // two 4-row segments: segments
+    let inter = key(&mut m, &[a, b, a, b, a, b, a, b]); // eight 1-row segments: chunks
+    let inter2 = key(&mut m, &[b, a, b, b, a, a, b, a]);
+    assert_ne!(one, 0, "a step with adapters has LoRA launches");
+    assert_eq!(one, runs, "both take segments");
+    assert_eq!(inter, inter2, "both take chunks");
+    assert_ne!(one, inter, "segments and chunks read different tile lists");
+}

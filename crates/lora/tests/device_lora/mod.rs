@@ -303,7 +303,8 @@ pub fn shape_keyed_steps_follow_the_adapter_mix(dev: Arc<dyn Device>) {
         let hook = p.gpu.prepare_batch(&gk, &st.starts, &st.logits).unwrap();
         dev.upload(&vec![0.0; rows * dout], &mut yg);
         dev.stage_batch(&st.ids, &st.attn(), &st.logits, &hook.staged());
-        // The same shape key every time: the first call records, the others replay.
+        // The key changes with the grouping kind only (mix 0 takes segments, the others chunks):
+        // mix 1 records, mixes 2-4 replay it.
         dev.run_step(rows, Some(0x5eed ^ hook.shape_key()), &mut || hook.linear(&*dev, 1, LinearSite::Qkv, &xg, rows, &mut yg));
         let got = to_host(&*dev, &yg, rows * dout);
         let (mut num, mut den) = (0.0f64, 0.0f64);
