@@ -43,7 +43,6 @@ use crate::sampling::{self, Sampler, SamplingParams};
 use crate::structured::{Grammars, Guide};
 use crate::text::{Detok, StopScan};
 use quiver_kernels::sample::{SampleOut, SampleSpec};
-use quiver_kernels::KvStorage;
 use quiver_lora::adapter::FileStamp;
 use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora, ReadLimits};
 use quiver_model::tokenizer::Tokenizer;
@@ -397,7 +396,7 @@ struct Core {
     model: LlamaModel,
     tokenizer: Arc<Tokenizer>,
     eos: Vec<u32>,
-    kv: KvStorage,
+    kv: quiver_model::KvCache,
     ws: Workspace,
     batch: ForwardBatch,
     stride: usize,
