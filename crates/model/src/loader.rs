@@ -184,7 +184,7 @@ fn build_group(src: &dyn WeightSource, names: Names, config: ModelConfig, device
     if tp == 1 {
         return build(src, names, config, device, dtype, permuted_qk, None);
     }
-    let shards = crate::tp::shard::shards(&config, tp).map_err(|e| anyhow::anyhow!("{}: {e}", src.path().display()))?;
+    let shards = crate::tp::shard::shards(&config, tp).map_err(anyhow::Error::msg)?;
     let group = device.tensor_parallel_group(tp).map_err(|e| anyhow::anyhow!("--tensor-parallel-size {tp}: {e}"))?;
     let comms: Vec<_> = group.iter().map(|(_, c)| c.clone()).collect();
     let mut ranks = shards.into_iter().zip(group).map(|(shard, (dev, comm))| {
