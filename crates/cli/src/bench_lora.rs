@@ -73,7 +73,7 @@ pub struct BenchLoraArgs {
 }
 
 struct Step {
-    kv: quiver_kernels::KvStorage,
+    kv: quiver_model::KvCache,
     ws: quiver_model::Workspace,
     batch: ForwardBatch,
 }

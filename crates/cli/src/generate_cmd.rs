@@ -6,7 +6,7 @@ use quiver_lora::{AdapterKey, LoraConfig, LoraHook, LoraManager, LoraModule};
 use quiver_model::ForwardBatch;
 use quiver_kernels::{open_device, DType, DeviceKind};
 use quiver_model::chat::ChatMessage;
-use quiver_model::load_model;
+use quiver_model::loader::load_model_tp;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -40,6 +40,10 @@ pub struct GenerateArgs {
     pub dtype: DType,
     #[arg(long, default_value = "cpu")]
     pub device: DeviceKind,
+    /// Split the model over N tensor-parallel ranks (alias --tp-size); on --device cpu the
+    /// ranks are threads of this process: a correctness mode, not faster than 1.
+    #[arg(long = "tensor-parallel-size", visible_alias = "tp-size", default_value_t = 1, value_name = "N")]
+    pub tensor_parallel_size: usize,
     /// Print token ids instead of text (one line, space separated).
     #[arg(long)]
     pub ids: bool,
@@ -77,7 +81,8 @@ impl StepLora for CliLora {
     }
 }
 
-fn setup_lora(a: &GenerateArgs, model: &quiver_model::ModelConfig, dims: quiver_lora::LoraModelDims, device: std::sync::Arc<dyn quiver_kernels::Device>) -> Result<Option<CliLora>> {
+fn setup_lora(a: &GenerateArgs, lm: &quiver_model::LlamaModel) -> Result<Option<CliLora>> {
+    let (model, dims, device) = (&lm.config, lm.lora_dims(), lm.device.clone());
     quiver_lora::validate_backend(&a.lora_backend, device.kind()).map_err(anyhow::Error::msg)?;
     let Some(name) = &a.adapter else {
         anyhow::ensure!(a.loras.is_empty() || a.adapter.is_some(), "--lora given without --adapter");
@@ -85,6 +90,9 @@ fn setup_lora(a: &GenerateArgs, model: &quiver_model::ModelConfig, dims: quiver_
     };
     let cfg = LoraConfig { max_lora_rank: a.max_lora_rank, backend: a.lora_backend.clone(), target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
     let mut mgr = LoraManager::new(dims, cfg, device)?;
+    if let Some(ranks) = lm.tp_ranks() {
+        mgr.shard_pool(&ranks)?;
+    }
     let mut key = None;
     for spec in &a.loras {
         let (n, p) = spec.split_once('=').with_context(|| format!("--lora `{spec}`: expected NAME=PATH"))?;
@@ -102,7 +110,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let path = model_path::resolve(a.model.clone())?;
     let device = open_device(a.device)?;
     let t0 = Instant::now();
-    let lm = load_model(&path, device, a.dtype).with_context(|| format!("loading {}", path.display()))?;
+    let lm = load_model_tp(&path, device, a.dtype, a.tensor_parallel_size).with_context(|| format!("loading {}", path.display()))?;
     eprintln!("loaded {} in {:.2}s", path.display(), t0.elapsed().as_secs_f64());
     let tok = &lm.tokenizer;
     let prompt_ids = if a.chat {
@@ -121,7 +129,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         prefill_chunk: 512,
     };
     let max_ctx = a.max_context.unwrap_or(prompt_ids.len() + a.max_tokens).min(lm.model.config.max_position_embeddings);
-    let mut lora = setup_lora(&a, &lm.model.config, lm.model.lora_dims(), lm.model.device.clone())?;
+    let mut lora = setup_lora(&a, &lm.model)?;
     let mut base = BaseOnly;
     let step_lora: &mut dyn StepLora = match lora.as_mut() {
         Some(l) => l,

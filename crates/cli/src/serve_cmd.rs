@@ -31,6 +31,12 @@ pub struct ServeArgs {
     pub dtype: DType,
     #[arg(long, default_value = "cpu")]
     pub device: DeviceKind,
+    /// Split the model over N tensor-parallel ranks (SGLang: --tp-size): heads, MLP columns and
+    /// vocabulary divided N ways, partial results summed. On --device cpu the ranks are
+    /// threads of this process: a correctness mode, not faster than 1. CUDA needs NCCL
+    /// collectives, not built yet, and refuses N > 1.
+    #[arg(long = "tensor-parallel-size", visible_alias = "tp-size", default_value_t = 1, value_name = "N")]
+    pub tensor_parallel_size: usize,
     /// What to serve: `generate` (text) or `embed` (`/v1/embeddings`, pooled as the model's
     /// sentence-transformers files say).
     #[arg(long, default_value = "generate", value_parser = ["generate", "embed"])]
@@ -275,7 +281,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     pb.enable_steady_tick(Duration::from_millis(120));
     pb.set_message(format!("loading {}", path.display()));
     let device = open_device(a.device)?;
-    let lm = quiver_model::load_model(&path, device, a.dtype).with_context(|| format!("loading {}", path.display()))?;
+    let lm = quiver_model::loader::load_model_tp(&path, device, a.dtype, a.tensor_parallel_size).with_context(|| format!("loading {}", path.display()))?;
     pb.inc(1);
     let mut cfg = cfg;
     if a.task == "embed" || a.is_embedding {

@@ -2,7 +2,6 @@
 //! the oracle the batched engine is compared against.
 
 use crate::sampling::{Sampler, SamplingParams};
-use quiver_kernels::KvStorage;
 use quiver_lora::{AdapterKey, LoraHook, LoraManager, NoLora};
 use quiver_model::{ForwardBatch, LlamaModel, LogitsFor, Workspace};
 use std::time::{Duration, Instant};
@@ -71,7 +70,7 @@ impl GenerateStats {
 
 pub struct Generator<'m> {
     model: &'m LlamaModel,
-    kv: KvStorage,
+    kv: quiver_model::KvCache,
     ws: Workspace,
     batch: ForwardBatch,
     block_table: Vec<u32>,

@@ -32,21 +32,24 @@ fn uniform(rng: &mut StdRng, n: usize, std: f32) -> Vec<f32> {
 }
 
 /// Writes a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`, f32) with
-/// every layer of `modules` at rank `rank`: A ~ U with std `1/sqrt(in)`, B with std `b_std`.
+/// every layer of `modules` at rank `rank` (the embedding and LM head once): A ~ U with std
+/// `1/sqrt(in)`, B with std `b_std`.
 pub fn write_random_adapter(dir: &Path, dims: &LoraModelDims, modules: &[LoraModule], rank: usize, alpha: f32, b_std: f32, seed: u64) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut names = Vec::new();
     let mut data: Vec<(Vec<usize>, Vec<u8>)> = Vec::new();
     for l in 0..dims.num_layers {
-        for &m in modules {
+        for &m in modules.iter().filter(|m| l == 0 || m.is_projection()) {
             let (din, dout) = dims.module_dims(m);
             let p = format!("base_model.model.{}", m.path(l));
             let a = uniform(&mut rng, rank * din, 1.0 / (din as f32).sqrt());
             let b = uniform(&mut rng, dout * rank, b_std);
-            names.push(format!("{p}.lora_A.weight"));
+            // PEFT names an embedding's factors apart (`lora_embedding_A`: `(r, vocab)`).
+            let (an, bn) = if m == LoraModule::EmbedTokens { ("lora_embedding_A", "lora_embedding_B") } else { ("lora_A.weight", "lora_B.weight") };
+            names.push(format!("{p}.{an}"));
             data.push((vec![rank, din], a.iter().flat_map(|x| x.to_le_bytes()).collect()));
-            names.push(format!("{p}.lora_B.weight"));
+            names.push(format!("{p}.{bn}"));
             data.push((vec![dout, rank], b.iter().flat_map(|x| x.to_le_bytes()).collect()));
         }
     }
@@ -71,26 +74,8 @@ pub fn write_random_adapter(dir: &Path, dims: &LoraModelDims, modules: &[LoraMod
 /// decisive and batch-composition rounding does not flip them.
 pub fn tiny_model(tokenizer_gguf: &Path, seed: u64) -> Result<LoadedModel> {
     let tokenizer = Tokenizer::from_gguf_path(tokenizer_gguf).with_context(|| format!("tokenizer of {}", tokenizer_gguf.display()))?;
-    let vocab = tokenizer.vocab_size();
-    let config = ModelConfig {
-        arch: Arch::Llama,
-        vocab_size: vocab,
-        hidden_size: 64,
-        intermediate_size: 128,
-        num_layers: 2,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 16,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        max_position_embeddings: 4096,
-        tie_word_embeddings: true,
-        qkv_bias: false,
-        qk_norm: None,
-        moe: None,
-        has_lm_head: true,
-    };
+    let config = tiny_config(tokenizer.vocab_size());
+    let vocab = config.vocab_size;
     let device = open_device(DeviceKind::Cpu)?;
     let mut rng = StdRng::seed_from_u64(seed);
     let (h, i, q, kv) = (config.hidden_size, config.intermediate_size, config.q_out(), config.kv_out());
@@ -109,8 +94,41 @@ pub fn tiny_model(tokenizer_gguf: &Path, seed: u64) -> Result<LoadedModel> {
     }
     let embed = w(vocab, h, 1.0);
     let rope = LlamaModel::build_rope(&config, &*device);
-    let model = LlamaModel { config, device: device.clone(), embed, layers, final_norm: device.tensor_from(&vec![1.0; h]), lm_head: None, rope };
+    let model = LlamaModel { config, device: device.clone(), embed, layers, final_norm: device.tensor_from(&vec![1.0; h]), lm_head: None, rope, tp: None };
     Ok(LoadedModel { model, tokenizer, path: PathBuf::from("tiny-random") })
+}
+
+/// The shape of [`tiny_model`]: 2 layers, hidden 64, 4 heads over 2 kv heads, tied embeddings.
+fn tiny_config(vocab: usize) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        vocab_size: vocab,
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        max_position_embeddings: 4096,
+        tie_word_embeddings: true,
+        qkv_bias: false,
+        qk_norm: None,
+        moe: None,
+        has_lm_head: true,
+    }
+}
+
+/// [`tiny_model`]'s shape with [`random_hf_weights`] (other values), split over `tp`
+/// tensor-parallel CPU ranks through the loader (`tp` = 1: unsplit).
+pub fn tiny_model_tp(tokenizer_gguf: &Path, seed: u64, tp: usize) -> Result<LoadedModel> {
+    let tokenizer = Tokenizer::from_gguf_path(tokenizer_gguf).with_context(|| format!("tokenizer of {}", tokenizer_gguf.display()))?;
+    let config = tiny_config(tokenizer.vocab_size());
+    let weights = random_hf_weights(&config, seed);
+    let model = quiver_model::loader::load_hf_weights(&weights, config, open_device(DeviceKind::Cpu)?, DType::F32, tp)?;
+    Ok(LoadedModel { model, tokenizer, path: PathBuf::from(format!("tiny-random-tp{tp}")) })
 }
 
 /// `n` values uniform with standard deviation `std`, from a counter-based generator (splitmix64
@@ -176,6 +194,43 @@ pub fn random_model(config: ModelConfig, tokenizer: Tokenizer, device: std::sync
     let embed = device.load_weight(Weight::from_f32(c.vocab_size, h, draw(c.vocab_size * h, 1.0), dtype));
     let lm_head = (c.has_lm_head && !c.tie_word_embeddings).then(|| device.load_weight(Weight::from_f32(c.vocab_size, h, draw(c.vocab_size * h, 1.0 / (h as f32).sqrt()), dtype)));
     let rope = LlamaModel::build_rope(c, &*device);
-    let model = LlamaModel { config, device: device.clone(), embed, layers, final_norm: ones(h), lm_head, rope };
+    let model = LlamaModel { config, device: device.clone(), embed, layers, final_norm: ones(h), lm_head, rope, tp: None };
     LoadedModel { model, tokenizer, path: PathBuf::from("random") }
+}
+
+/// Random weights of a dense model of `config`'s shape, named as in an HF checkpoint, for
+/// `quiver_model::loader::load_hf_weights` (which can split them over tensor-parallel ranks):
+/// linear weights with std 1/√in, the embedding (and a tied head) with std 1 as in
+/// [`tiny_model`], norm weights and biases drawn around 1 and 0 so that sharding them wrongly
+/// shows.
+pub fn random_hf_weights(config: &ModelConfig, seed: u64) -> quiver_model::formats::memory::MemoryWeights {
+    let c = config;
+    let (h, q, kv, inter, nl) = (c.hidden_size, c.q_out(), c.kv_out(), c.intermediate_size, c.num_layers);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut w = quiver_model::formats::memory::MemoryWeights::new("random-hf");
+    let mut put = |name: String, shape: &[usize], mean: f32, std: f32| {
+        let data = uniform(&mut rng, shape.iter().product(), std).into_iter().map(|v| v + mean).collect();
+        w.insert(name, shape, data);
+    };
+    put("model.embed_tokens.weight".into(), &[c.vocab_size, h], 0.0, 1.0);
+    for l in 0..nl {
+        let p = format!("model.layers.{l}");
+        put(format!("{p}.input_layernorm.weight"), &[h], 1.0, 0.1);
+        put(format!("{p}.post_attention_layernorm.weight"), &[h], 1.0, 0.1);
+        for (m, rows) in [("q", q), ("k", kv), ("v", kv)] {
+            put(format!("{p}.self_attn.{m}_proj.weight"), &[rows, h], 0.0, 1.0 / (h as f32).sqrt());
+            if c.qkv_bias {
+                put(format!("{p}.self_attn.{m}_proj.bias"), &[rows], 0.0, 0.1);
+            }
+        }
+        put(format!("{p}.self_attn.o_proj.weight"), &[h, q], 0.0, 1.0 / (q as f32).sqrt());
+        put(format!("{p}.mlp.gate_proj.weight"), &[inter, h], 0.0, 1.0 / (h as f32).sqrt());
+        put(format!("{p}.mlp.up_proj.weight"), &[inter, h], 0.0, 1.0 / (h as f32).sqrt());
+        put(format!("{p}.mlp.down_proj.weight"), &[h, inter], 0.0, 1.0 / (inter as f32).sqrt());
+    }
+    put("model.norm.weight".into(), &[h], 1.0, 0.1);
+    if !c.tie_word_embeddings {
+        put("lm_head.weight".into(), &[c.vocab_size, h], 0.0, 1.0 / (h as f32).sqrt());
+    }
+    w
 }

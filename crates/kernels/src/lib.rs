@@ -11,6 +11,7 @@
 
 pub mod aligned;
 pub mod alloc_count;
+pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -19,6 +20,7 @@ pub mod moe;
 pub mod opencl;
 pub mod sample;
 
+pub use comm::Collective;
 pub use moe::{ExpertWeights, MoeRouting, QkNorm, RouterSpec};
 
 use std::fmt;
@@ -403,6 +405,20 @@ pub trait Device: Send + Sync {
     /// allocation is an error naming the limit, not a failure mid-load.
     fn check_alloc(&self, _bytes: usize) -> Result<(), String> {
         Ok(())
+    }
+    /// The devices and collectives of a tensor-parallel group of `ranks` ranks built from this
+    /// device (rank r gets element r), or why this device cannot run one. Each rank's device
+    /// must run its step on the thread that calls it (its rank's thread), since a rank waits in
+    /// collectives for the others.
+    fn tensor_parallel_group(&self, _ranks: usize) -> Result<Vec<(Arc<dyn Device>, Arc<dyn Collective>)>, String> {
+        Err(format!("the {} device has no collectives between ranks", self.kind()))
+    }
+    /// The embedding gather of one vocab-parallel shard: `table` holds vocab rows
+    /// `start..start + table.rows`; a row whose id falls there gets its table row, any other
+    /// row zeros (the ranks' outputs are summed next). Only devices that form tensor-parallel
+    /// groups ([`Device::tensor_parallel_group`]) are asked.
+    fn embedding_vocab_range(&self, _table: &Weight, _ids: &[u32], _start: usize, _out: &mut Tensor) {
+        panic!("the {} device has no vocab-parallel embedding: it forms no tensor-parallel group", self.kind())
     }
     /// Bytes per K/V element in the caches this device allocates.
     fn kv_elem_bytes(&self) -> usize {

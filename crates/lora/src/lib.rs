@@ -16,6 +16,7 @@
 //! - [`registry`]: names, versions, in-flight counts and the host-memory cache.
 //! - [`batch`]: per-step metadata in fixed, reused buffers.
 //! - [`backend`]: kernels (`reference`, `segmented`, `chunked`, `auto`) behind a registry.
+//! - [`shard`]: a tensor-parallel rank's share, and how adapters are cut to it (S-LoRA).
 //! - [`manager`]: [`LoraManager`], the object the engine owns, and [`BatchHook`], what the model
 //!   consumes.
 //!
@@ -46,6 +47,7 @@ pub mod eviction_policy;
 pub mod manager;
 pub mod mem_pool;
 pub mod registry;
+pub mod shard;
 
 pub use adapter::{LoraAdapter, ReadLimits};
 pub use backend::{backend_names, validate_backend, LoraBackend, SiteRef};
@@ -56,6 +58,7 @@ pub use eviction_policy::EvictionPolicy;
 pub use manager::{BatchHook, LoraConfig, LoraManager};
 pub use mem_pool::{LoraImageMaker, LoraMemoryPool};
 pub use registry::{AdapterId, AdapterKey, AdapterInfo};
+pub use shard::{SiteCut, TpShard};
 pub use mem_pool::MAX_EXPERT_POOL_BYTES;
 
 use quiver_kernels::{Device, Epilogue, MoeRouting, Tensor, Weight};
@@ -235,6 +238,13 @@ pub trait LoraHook: Sync {
     fn shared_expert(&self, _dev: &dyn Device, _layer: usize, _site: ExpertSite, _x: &Tensor, _m: usize, _y: &mut Tensor) {}
     /// False when no row of this batch has an adapter, so the model may skip every call.
     fn is_active(&self) -> bool;
+    /// Calls `f` with the hook of tensor-parallel rank `rank` ≥ 1 for the same batch (the hook
+    /// itself is rank 0's): the rows and slots are the same, the pool is the rank's cut
+    /// ([`shard`]). A hook without a sharded pool has no other ranks (the default refuses:
+    /// its rank 0 would read whole adapters against a shard).
+    fn with_rank(&self, rank: usize, _f: &mut dyn FnMut(&dyn LoraHook)) {
+        panic!("LoRA hook of tensor-parallel rank {rank}, but its pool is not sharded (LoraManager::shard_pool)")
+    }
     /// Host metadata to stage with the batch (`Device::stage_batch`'s `extra`): the row
     /// groupings packed for a device that reads its own copy; empty slices otherwise.
     fn staged(&self) -> [&[u32]; 4] {
@@ -269,5 +279,8 @@ impl LoraHook for NoLora {
     fn lm_head(&self, _: &dyn Device, _: &Tensor, _: &[u32], _: &mut Tensor) {}
     fn is_active(&self) -> bool {
         false
+    }
+    fn with_rank(&self, _: usize, f: &mut dyn FnMut(&dyn LoraHook)) {
+        f(self)
     }
 }

@@ -16,6 +16,7 @@ use crate::error::{LoraError, Result};
 use crate::eviction_policy::EvictionPolicy;
 use crate::mem_pool::LoraMemoryPool;
 use crate::registry::{AdapterInfo, AdapterKey, LoraRegistry};
+use crate::shard::TpShard;
 use crate::{ExpertSite, LinearSite, LoraAdapter, LoraHook, LoraModelDims};
 
 /// Serving-time LoRA settings (the CLI flags).
@@ -58,6 +59,9 @@ pub struct LoraManager {
     config: LoraConfig,
     device: DeviceKind,
     pool: LoraMemoryPool,
+    /// Tensor parallelism: the pools of ranks 1.. (`pool` is rank 0's), each slot filled and
+    /// freed with rank 0's, so every rank's slot holds its cut of the same adapter.
+    rank_pools: Vec<LoraMemoryPool>,
     registry: LoraRegistry,
     backend: Box<dyn LoraBackend>,
     batch: LoraBatchInfo,
@@ -99,6 +103,7 @@ impl LoraManager {
             config,
             device: kind,
             pool,
+            rank_pools: Vec::new(),
             backend,
         })
     }
@@ -115,6 +120,26 @@ impl LoraManager {
     pub fn pool(&self) -> &LoraMemoryPool {
         &self.pool
     }
+    /// Shards the pool over a tensor-parallel group: rank r's pool is allocated on `ranks[r]`'s
+    /// device and holds its cut of every adapter ([`crate::shard`]). Called at start-up, before
+    /// any adapter is resident.
+    pub fn shard_pool(&mut self, ranks: &[(TpShard, Arc<dyn Device>)]) -> Result<()> {
+        if (0..self.pool.num_slots()).any(|s| self.pool.owner(s).is_some()) {
+            return Err(LoraError::Invalid("the LoRA pool is sharded before any adapter is resident".into()));
+        }
+        let c = &self.config;
+        let mut pools = ranks
+            .iter()
+            .map(|(shard, dev)| LoraMemoryPool::new_shard(dev.clone(), self.dims, shard, c.max_loras_per_batch, c.max_lora_rank, &c.target_modules, c.eviction_policy))
+            .collect::<Result<Vec<_>>>()?;
+        if pools.is_empty() {
+            return Err(LoraError::Invalid("a tensor-parallel group of no ranks".into()));
+        }
+        self.pool = pools.remove(0);
+        self.rank_pools = pools;
+        Ok(())
+    }
+
     pub fn backend_name(&self) -> &'static str {
         self.backend.name()
     }
@@ -358,7 +383,7 @@ impl LoraManager {
         }
         let pool = &self.pool;
         self.batch.build(&self.seq_slots, seq_starts, logits_rows, |s| pool.slot_max_rank(s))?;
-        Ok(BatchHook { pool: &self.pool, info: &self.batch, backend: &*self.backend, expert_rows: &self.expert_rows })
+        Ok(BatchHook { pool: &self.pool, rank_pools: &self.rank_pools, info: &self.batch, backend: &*self.backend, expert_rows: &self.expert_rows })
     }
 
     /// The metadata of the last prepared batch.
@@ -391,9 +416,12 @@ impl LoraManager {
         let slot = self.pool.choose_slot(|o| protect.contains(&o))?;
         if let Some(old) = self.pool.owner(slot) {
             tracing::debug!(slot, evicted = old.version, loaded = key.version, "LoRA slot eviction");
-            self.pool.free_slot(slot);
+            self.free_slot(slot);
         }
         self.pool.load(slot, key, &weights)?;
+        for p in &mut self.rank_pools {
+            p.load(slot, key, &weights)?;
+        }
         self.registry.touch(key);
         self.registry.enforce_host_cap(protect);
         Ok(slot)
@@ -416,7 +444,14 @@ impl LoraManager {
 
     fn remove_slot(&mut self, key: AdapterKey) {
         if let Some(s) = self.pool.slot_of(key) {
-            self.pool.free_slot(s);
+            self.free_slot(s);
+        }
+    }
+
+    fn free_slot(&mut self, slot: usize) {
+        self.pool.free_slot(slot);
+        for p in &mut self.rank_pools {
+            p.free_slot(slot);
         }
     }
 }
@@ -426,6 +461,8 @@ impl LoraManager {
 /// the tensors where they live.
 pub struct BatchHook<'a> {
     pool: &'a LoraMemoryPool,
+    /// Tensor parallelism: the pools of ranks 1.. ([`LoraHook::with_rank`]).
+    rank_pools: &'a [LoraMemoryPool],
     info: &'a LoraBatchInfo,
     backend: &'a dyn LoraBackend,
     expert_rows: &'a std::sync::Mutex<RowGrouping>,
@@ -522,6 +559,12 @@ impl LoraHook for BatchHook<'_> {
 
     fn is_active(&self) -> bool {
         self.info.is_active()
+    }
+
+    fn with_rank(&self, rank: usize, f: &mut dyn FnMut(&dyn LoraHook)) {
+        let pool = rank.checked_sub(1).and_then(|r| self.rank_pools.get(r));
+        let pool = pool.unwrap_or_else(|| panic!("LoRA hook of tensor-parallel rank {rank} but the pool has {} ranks", self.rank_pools.len() + 1));
+        f(&BatchHook { pool, rank_pools: &[], ..*self })
     }
 
     fn staged(&self) -> [&[u32]; 4] {

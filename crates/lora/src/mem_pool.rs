@@ -35,6 +35,7 @@ use crate::config::LoraModule;
 use crate::error::{LoraError, Result};
 use crate::eviction_policy::{EvictionPolicy, EvictionTracker};
 use crate::registry::AdapterKey;
+use crate::shard::{SiteCut, TpShard};
 use crate::{ExpertSite, LinearSite, LoraModelDims};
 use quiver_kernels::lora::MAX_SLICES;
 use quiver_kernels::{Device, LoraSiteBuffers, LoraSiteShape, LoraTable};
@@ -43,6 +44,8 @@ use quiver_kernels::{Device, LoraSiteBuffers, LoraSiteShape, LoraTable};
 pub struct PoolSite {
     pub buffers: LoraSiteBuffers,
     pub modules: [Option<LoraModule>; MAX_SLICES],
+    /// A tensor-parallel rank's cut of the adapter's weights; `None` takes them whole.
+    pub cut: Option<SiteCut>,
 }
 
 /// Floats between two Bᵀ rows of output width `out`: `out` rounded up to whole 64-byte lines,
@@ -110,6 +113,21 @@ pub struct LoraMemoryPool {
 impl LoraMemoryPool {
     /// Allocates every buffer once on `device`. `modules` are the targets the pool accepts.
     pub fn new(device: Arc<dyn Device>, dims: LoraModelDims, num_slots: usize, max_rank: usize, modules: &[LoraModule], policy: EvictionPolicy) -> Result<Self> {
+        Self::new_for(device, dims, None, num_slots, max_rank, modules, policy)
+    }
+
+    /// The pool of one tensor-parallel rank of a model of `dims`: buffers sized by the rank's
+    /// shard, and each adapter cut to it as it fills a slot ([`crate::shard`]). Rank 0 holds
+    /// the embedding's LoRA whole; the others none.
+    pub fn new_shard(device: Arc<dyn Device>, dims: LoraModelDims, shard: &TpShard, num_slots: usize, max_rank: usize, modules: &[LoraModule], policy: EvictionPolicy) -> Result<Self> {
+        if dims.moe.is_some() {
+            return Err(LoraError::Invalid("tensor parallelism of a mixture-of-experts model".into()));
+        }
+        Self::new_for(device, dims, Some(shard), num_slots, max_rank, modules, policy)
+    }
+
+    fn new_for(device: Arc<dyn Device>, full_dims: LoraModelDims, shard: Option<&TpShard>, num_slots: usize, max_rank: usize, modules: &[LoraModule], policy: EvictionPolicy) -> Result<Self> {
+        let dims = shard.map_or(full_dims, |s| s.local_dims(&full_dims));
         if num_slots == 0 {
             return Err(LoraError::Invalid("max_loras_per_batch must be at least 1".into()));
         }
@@ -119,12 +137,12 @@ impl LoraMemoryPool {
         let mut mods = modules.to_vec();
         mods.sort();
         mods.dedup();
-        let site = |in_dim: usize, widths: &[usize], ms: &[LoraModule]| {
+        let site = |in_dim: usize, widths: &[usize], ms: &[LoraModule], cut: Option<SiteCut>| {
             let mut m = [None; MAX_SLICES];
             for (j, x) in ms.iter().enumerate() {
                 m[j] = Some(*x);
             }
-            PoolSite { buffers: device.lora_alloc_site(site_shape(num_slots, max_rank, in_dim, widths)), modules: m }
+            PoolSite { buffers: device.lora_alloc_site(site_shape(num_slots, max_rank, in_dim, widths)), modules: m, cut }
         };
         let mut sites = Vec::with_capacity(dims.num_layers * 4);
         for _ in 0..dims.num_layers {
@@ -132,14 +150,15 @@ impl LoraMemoryPool {
                 let ms = s.modules();
                 if ms.iter().any(|m| mods.contains(m)) {
                     let (in_dim, w, n) = dims.site_dims(s);
-                    sites.push(Some(site(in_dim, &w[..n], ms)));
+                    sites.push(Some(site(in_dim, &w[..n], ms, shard.map(|sh| sh.site_cut(s)))));
                 } else {
                     sites.push(None);
                 }
             }
         }
-        let embed = mods.contains(&LoraModule::EmbedTokens).then(|| site(dims.vocab, &[dims.hidden], &[LoraModule::EmbedTokens]));
-        let lm_head = mods.contains(&LoraModule::LmHead).then(|| site(dims.hidden, &[dims.vocab], &[LoraModule::LmHead]));
+        let embed_whole = shard.is_none_or(|sh| sh.rank == 0);
+        let embed = (embed_whole && mods.contains(&LoraModule::EmbedTokens)).then(|| site(full_dims.vocab, &[dims.hidden], &[LoraModule::EmbedTokens], None));
+        let lm_head = mods.contains(&LoraModule::LmHead).then(|| site(dims.hidden, &[dims.vocab], &[LoraModule::LmHead], shard.map(TpShard::lm_head_cut)));
         let moe = dims.moe.unwrap_or_default();
         let e = moe.num_experts;
         let moe_layers: Vec<usize> = (0..dims.num_layers).filter(|&l| dims.is_moe_layer(l)).collect();
@@ -177,7 +196,7 @@ impl LoraMemoryPool {
                 for (j, x) in ms.iter().enumerate() {
                     m[j] = Some(*x);
                 }
-                PoolSite { buffers: device.lora_alloc_site(site_shape(slots, max_rank, in_dim, &w[..n])), modules: m }
+                PoolSite { buffers: device.lora_alloc_site(site_shape(slots, max_rank, in_dim, &w[..n])), modules: m, cut: None }
             };
             experts.push(ExpertSite::ALL.map(|s| (is_moe && wants(s, false)).then(|| make(s, false, num_slots * e))));
             shared.push(ExpertSite::ALL.map(|s| (is_moe && moe.shared_intermediate > 0 && wants(s, true)).then(|| make(s, true, num_slots))));
@@ -363,7 +382,8 @@ impl LoraMemoryPool {
             None => self.for_each_site(slot, &mut |site, table, entry, s, source| {
                 let shape = site.buffers.shape;
                 let p = present(adapter, &site.modules, source);
-                device.lora_write_slot(&mut site.buffers, s, &mut |a, b| fill_slot(shape, &p, a, b));
+                let cut = site.cut;
+                device.lora_write_slot(&mut site.buffers, s, &mut |a, b| fill_slot(shape, &p, cut, a, b));
                 set_table_row(table, entry, s, &p);
             }),
         }
@@ -425,13 +445,13 @@ impl LoraMemoryPool {
     fn make_image_maker(&mut self) -> LoraImageMaker {
         use std::hash::{Hash, Hasher};
         let mut sites = Vec::new();
-        self.for_each_site(0, &mut |site, _, _, _, source| sites.push(ImageSite { shape: site.buffers.shape, modules: site.modules, source }));
+        self.for_each_site(0, &mut |site, _, _, _, source| sites.push(ImageSite { shape: site.buffers.shape, modules: site.modules, cut: site.cut, source }));
         let mut h = std::collections::hash_map::DefaultHasher::new();
         (Arc::as_ptr(&self.device) as *const () as usize).hash(&mut h);
         let mut elems = 0;
         for s in &sites {
             let sh = s.shape;
-            (sh.in_dim, sh.n_slices, sh.offsets, sh.b_ld, sh.max_rank, s.modules, s.source).hash(&mut h);
+            (sh.in_dim, sh.n_slices, sh.offsets, sh.b_ld, sh.max_rank, s.modules, s.cut, s.source).hash(&mut h);
             elems += sh.a_slot_len() + sh.b_slot_len();
         }
         LoraImageMaker { device: self.device.clone(), sites: Arc::new(sites), elems, layout: h.finish().max(1) }
@@ -451,6 +471,7 @@ enum ImageSource {
 struct ImageSite {
     shape: LoraSiteShape,
     modules: [Option<LoraModule>; MAX_SLICES],
+    cut: Option<SiteCut>,
     source: ImageSource,
 }
 
@@ -494,7 +515,7 @@ impl LoraImageMaker {
             let mut at = 0;
             for s in self.sites.iter() {
                 let p = present(adapter, &s.modules, s.source);
-                self.device.lora_image_fill(img, at, s.shape, &mut |a, b| fill_slot(s.shape, &p, a, b));
+                self.device.lora_image_fill(img, at, s.shape, &mut |a, b| fill_slot(s.shape, &p, s.cut, a, b));
                 at += s.shape.a_slot_len() + s.shape.b_slot_len();
             }
             img.filled = true;
@@ -533,18 +554,25 @@ fn site_rank(present: &Present<'_>) -> usize {
     present.iter().flatten().map(|w| w.rank).max().unwrap_or(0)
 }
 
-/// Writes the slices `present` into a slot's zeroed f32 A `(n·R, in)` and Bᵀ `(R, b_ld)`.
-fn fill_slot(shape: LoraSiteShape, present: &Present<'_>, a: &mut [f32], b: &mut [f32]) {
+/// Writes the slices `present` into a slot's zeroed f32 A `(n·R, in)` and Bᵀ `(R, b_ld)`;
+/// with a tensor-parallel `cut`, only A's columns `a_col0..a_col0 + in` and each slice's B rows
+/// from its `b_row0` (the module's weights are the whole model's).
+fn fill_slot(shape: LoraSiteShape, present: &Present<'_>, cut: Option<SiteCut>, a: &mut [f32], b: &mut [f32]) {
     let r_site = site_rank(present);
+    let in_dim = shape.in_dim;
     for (j, w) in present.iter().enumerate() {
         let Some(w) = w else { continue };
         let rj = w.rank;
         let row0 = j * r_site;
-        a[row0 * shape.in_dim..(row0 + rj) * shape.in_dim].copy_from_slice(&w.a);
+        let (a_col0, b_row0) = cut.map_or((0, 0), |c| (c.a_col0, c.b_row0[j]));
+        let full_in = w.a.len() / rj;
+        for (dst, src) in a[row0 * in_dim..(row0 + rj) * in_dim].chunks_mut(in_dim).zip(w.a.chunks(full_in)) {
+            dst.copy_from_slice(&src[a_col0..a_col0 + in_dim]);
+        }
         let (o0, ld) = (shape.offsets[j], shape.b_ld);
         for o in 0..(shape.offsets[j + 1] - o0) {
             for k in 0..rj {
-                b[k * ld + o0 + o] = w.b[o * rj + k];
+                b[k * ld + o0 + o] = w.b[(b_row0 + o) * rj + k];
             }
         }
     }

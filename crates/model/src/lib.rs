@@ -14,10 +14,11 @@ pub mod llama;
 pub mod loader;
 pub mod moe;
 pub mod tokenizer;
+pub mod tp;
 
 pub use batch::{ForwardBatch, LogitsFor};
 pub use compat::check_adapter;
 pub use config::{Arch, ModelConfig, MoeConfig, QkNormKind};
 pub use embedding::{EmbeddingSpec, PoolState, Pooling};
-pub use llama::{LlamaModel, Workspace};
+pub use llama::{KvCache, LlamaModel, Workspace};
 pub use loader::{load_model, LoadedModel};

@@ -10,8 +10,9 @@
 use crate::batch::ForwardBatch;
 use crate::config::ModelConfig;
 use crate::moe::{self, Mlp, MoeWorkspace};
+use crate::tp::TensorParallel;
 use quiver_kernels::{AttnBatch, Device, Epilogue, KvLayout, KvStorage, QkNorm, RopeTable, Tensor, Weight};
-use quiver_lora::{LinearSite, LoraHook, LoraModelDims};
+use quiver_lora::{LinearSite, LoraHook, LoraModelDims, TpShard};
 use std::sync::Arc;
 
 pub struct LayerWeights {
@@ -35,6 +36,26 @@ pub struct LlamaModel {
     /// `None` when tied to the embedding.
     pub lm_head: Option<Weight>,
     pub rope: RopeTable,
+    /// Set when the model is split over tensor-parallel ranks: the weights above are this
+    /// rank's shard (`config` stays the whole model's), and rank 0 carries the group.
+    pub tp: Option<Box<TensorParallel>>,
+}
+
+/// The paged KV cache of a model: its store, and under tensor parallelism the stores of ranks
+/// 1.. (each holding only its rank's kv heads).
+pub struct KvCache {
+    pub storage: KvStorage,
+    pub peers: Vec<KvStorage>,
+}
+
+/// The widths one rank computes with: the whole model's without tensor parallelism.
+struct Widths {
+    heads: usize,
+    kv_heads: usize,
+    q: usize,
+    kv: usize,
+    inter: usize,
+    vocab: usize,
 }
 
 /// Activation buffers for up to `max_tokens` rows, reused across steps. They grow (never
@@ -54,6 +75,10 @@ pub struct Workspace {
     last: Tensor,
     last_n: Tensor,
     logits: Tensor,
+    /// Tensor parallelism: this rank's vocab columns of the logits, before the all-gather.
+    logits_shard: Tensor,
+    /// Tensor parallelism: the workspaces of ranks 1..
+    pub(crate) peers: Vec<Workspace>,
     /// Buffers of the expert MLPs (MoE models only).
     moe: Option<MoeWorkspace>,
     /// Host copy of the logits of the requested rows, `[rows, vocab]`.
@@ -68,7 +93,7 @@ pub struct Workspace {
 
 /// What a forward pass returns for its `logits_rows`.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Head {
+pub(crate) enum Head {
     Logits,
     /// The final-normed hidden states (what embedding models pool).
     Hidden,
@@ -104,15 +129,52 @@ impl LlamaModel {
         RopeTable { head_dim: config.head_dim, rotary_dim: config.head_dim, max_pos, cos: device.tensor_from(&cos), sin: device.tensor_from(&sin) }
     }
 
-    /// A paged KV store for this model on its device.
-    pub fn alloc_kv(&self, num_blocks: usize, block_size: usize) -> KvStorage {
+    /// The widths of this rank's shard (the whole model's without tensor parallelism).
+    fn widths(&self) -> Widths {
         let c = &self.config;
-        self.device.alloc_kv(KvLayout { num_layers: c.num_layers, num_blocks, block_size, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim })
+        match &self.tp {
+            None => Widths { heads: c.num_heads, kv_heads: c.num_kv_heads, q: c.q_out(), kv: c.kv_out(), inter: c.intermediate_size, vocab: c.vocab_size },
+            Some(t) => {
+                let s = &t.shard;
+                Widths { heads: s.q.len() / c.head_dim, kv_heads: s.kv.len() / c.head_dim, q: s.q.len(), kv: s.kv.len(), inter: s.inter.len(), vocab: s.vocab.len() }
+            }
+        }
     }
 
-    pub fn kv_bytes_per_block(&self, block_size: usize) -> usize {
+    /// Rank 0 and the other ranks of a tensor-parallel group, in rank order (just `self`
+    /// without one).
+    fn ranks(&self) -> impl Iterator<Item = &LlamaModel> {
+        let peers = self.tp.as_ref().and_then(|t| t.group.as_ref()).map_or(&[][..], |g| &g.peers[..]);
+        std::iter::once(self).chain(peers)
+    }
+
+    /// Every tensor-parallel rank's shard and device, in rank order (for the LoRA pool's
+    /// shards); `None` without tensor parallelism.
+    pub fn tp_ranks(&self) -> Option<Vec<(TpShard, Arc<dyn Device>)>> {
+        self.tp.as_ref()?;
+        Some(self.ranks().map(|m| (m.tp.as_ref().expect("every rank of a group has its shard").shard.clone(), m.device.clone())).collect())
+    }
+
+    /// Ranks in the tensor-parallel group (1 without one).
+    pub fn tp_size(&self) -> usize {
+        self.tp.as_ref().map_or(1, |t| t.shard.ranks)
+    }
+
+    fn kv_layout(&self, num_blocks: usize, block_size: usize) -> KvLayout {
         let c = &self.config;
-        KvLayout { num_layers: c.num_layers, num_blocks: 1, block_size, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim }.bytes_per_block(self.device.kv_elem_bytes())
+        KvLayout { num_layers: c.num_layers, num_blocks, block_size, n_kv_heads: self.widths().kv_heads, head_dim: c.head_dim }
+    }
+
+    /// A paged KV cache for this model: on each rank's device, its kv heads.
+    pub fn alloc_kv(&self, num_blocks: usize, block_size: usize) -> KvCache {
+        let mut ranks = self.ranks().map(|m| m.device.alloc_kv(m.kv_layout(num_blocks, block_size)));
+        let storage = ranks.next().expect("rank 0");
+        KvCache { storage, peers: ranks.collect() }
+    }
+
+    /// Bytes of one KV block over every rank.
+    pub fn kv_bytes_per_block(&self, block_size: usize) -> usize {
+        self.ranks().map(|m| m.kv_layout(1, block_size).bytes_per_block(m.device.kv_elem_bytes())).sum()
     }
 
     pub fn new_workspace(&self, max_tokens: usize, max_logit_rows: usize) -> Workspace {
@@ -140,28 +202,31 @@ impl LlamaModel {
             last: self.device.alloc(0),
             last_n: self.device.alloc(0),
             logits: self.device.alloc(0),
+            logits_shard: self.device.alloc(0),
+            peers: Vec::new(),
             moe: None,
             host_logits: Vec::new(),
             host_hidden: Vec::new(),
             resolved_ids: Vec::new(),
         };
         self.ensure_workspace(&mut ws, max_tokens, max_rows, head);
+        ws.peers = self.ranks().skip(1).map(|p| p.workspace_for(max_tokens, max_rows, head)).collect();
         ws
     }
 
     fn ensure_workspace(&self, ws: &mut Workspace, tokens: usize, out_rows: usize, head: Head) {
         let c = &self.config;
         let d = &self.device;
+        let w = self.widths();
         if tokens > ws.max_tokens {
             let t = tokens.next_power_of_two().max(16);
-            let qkv_w = c.q_out() + 2 * c.kv_out();
             ws.x = d.alloc(t * c.hidden_size);
             ws.xn = d.alloc(t * c.hidden_size);
-            ws.qkv = d.alloc(t * qkv_w);
-            ws.attn = d.alloc(t * c.q_out());
+            ws.qkv = d.alloc(t * (w.q + 2 * w.kv));
+            ws.attn = d.alloc(t * w.q);
             ws.delta = d.alloc(t * c.hidden_size);
-            ws.gate_up = d.alloc(t * 2 * c.intermediate_size);
-            ws.act = d.alloc(t * c.intermediate_size);
+            ws.gate_up = d.alloc(t * 2 * w.inter);
+            ws.act = d.alloc(t * w.inter);
             ws.moe = c.moe.as_ref().map(|mc| MoeWorkspace::new(&**d, mc, c.hidden_size, t));
             ws.resolved_ids = Vec::with_capacity(t);
             ws.max_tokens = t;
@@ -176,6 +241,9 @@ impl LlamaModel {
         if head == Head::Logits && out_rows > ws.max_logit_rows {
             let r = out_rows.next_power_of_two().max(4);
             ws.logits = d.alloc(r * c.vocab_size);
+            if self.tp.is_some() {
+                ws.logits_shard = d.alloc(r * w.vocab);
+            }
             ws.host_logits = vec![0.0; r * c.vocab_size];
             ws.max_logit_rows = r;
         }
@@ -183,7 +251,7 @@ impl LlamaModel {
 
     /// Runs one batched step. Returns the logits of `batch.logits_rows`, `[rows, vocab]`, in
     /// `ws.host_logits`.
-    pub fn forward<'w>(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &'w mut Workspace, lora: &dyn LoraHook) -> &'w [f32] {
+    pub fn forward<'w>(&self, batch: &ForwardBatch, kv: &mut KvCache, ws: &'w mut Workspace, lora: &dyn LoraHook) -> &'w [f32] {
         self.forward_on_device(batch, kv, ws, lora);
         self.logits_to_host(ws, batch.logits_rows.len())
     }
@@ -216,14 +284,14 @@ impl LlamaModel {
 
     /// Runs one batched step, leaving the logits of `batch.logits_rows` on the device in
     /// `ws.logits` (`[rows, vocab]`): for sampling there, or [`Self::logits_to_host`].
-    pub fn forward_on_device(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &mut Workspace, lora: &dyn LoraHook) {
+    pub fn forward_on_device(&self, batch: &ForwardBatch, kv: &mut KvCache, ws: &mut Workspace, lora: &dyn LoraHook) {
         assert!(self.config.has_lm_head, "forward for logits on a model without an LM head (an embedding model)");
         self.run(batch, kv, ws, lora, Head::Logits)
     }
 
     /// Runs one batched step like [`Self::forward`] but returns the final-normed hidden states of
     /// `batch.logits_rows`, `[rows, hidden]` (in `ws.host_hidden`), skipping the LM head.
-    pub fn forward_hidden<'w>(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &'w mut Workspace, lora: &dyn LoraHook) -> &'w [f32] {
+    pub fn forward_hidden<'w>(&self, batch: &ForwardBatch, kv: &mut KvCache, ws: &'w mut Workspace, lora: &dyn LoraHook) -> &'w [f32] {
         self.run(batch, kv, ws, lora, Head::Hidden);
         let n = batch.logits_rows.len() * self.config.hidden_size;
         if n == 0 {
@@ -233,9 +301,22 @@ impl LlamaModel {
         &ws.host_hidden[..n]
     }
 
-    fn run(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &mut Workspace, lora: &dyn LoraHook, head_kind: Head) {
+    fn run(&self, batch: &ForwardBatch, kv: &mut KvCache, ws: &mut Workspace, lora: &dyn LoraHook, head_kind: Head) {
+        match self.tp.as_ref().and_then(|t| t.group.as_ref()) {
+            None => self.run_rank(batch, &mut kv.storage, ws, lora, head_kind),
+            Some(group) => group.forward(self, batch, kv, ws, lora, head_kind),
+        }
+    }
+
+    /// One step of this rank (of the whole model without tensor parallelism). Under tensor
+    /// parallelism every rank runs it at once on its own shard, KV store and workspace, and
+    /// the collectives join them: the embedding and the row-parallel projections (o, down) are
+    /// all-reduced, the vocab-parallel logits all-gathered.
+    pub(crate) fn run_rank(&self, batch: &ForwardBatch, kv: &mut KvStorage, ws: &mut Workspace, lora: &dyn LoraHook, head_kind: Head) {
         let c = &self.config;
         let d = &*self.device;
+        let w = self.widths();
+        let tp = self.tp.as_deref();
         let m = batch.tokens.len();
         let nl = batch.logits_rows.len();
         self.ensure_workspace(ws, m, nl, head_kind);
@@ -259,9 +340,15 @@ impl LlamaModel {
         let head_key = if head_kind == Head::Hidden { 0x9E37_79B9_7F4A_7C15 } else { 0 };
         let shape = Some(batch.shape_key() ^ lora.shape_key() ^ head_key);
         d.run_step(m, shape, &mut || {
-            d.embedding(&self.embed, ids, &mut ws.x);
+            match tp {
+                None => d.embedding(&self.embed, ids, &mut ws.x),
+                Some(t) => d.embedding_vocab_range(&self.embed, ids, t.shard.vocab.start, &mut ws.x),
+            }
             if lora_on {
                 lora.embedding(d, ids, &mut ws.x);
+            }
+            if let Some(t) = tp {
+                t.comm.all_reduce_sum(&mut ws.x, m * h);
             }
             for (li, l) in self.layers.iter().enumerate() {
                 // The norm making a projection's input goes through the hook too, so a device
@@ -270,15 +357,24 @@ impl LlamaModel {
                 lora.norm(d, li, LinearSite::Qkv, &mut ws.x, prev, &l.attn_norm, c.rms_norm_eps, m, h, &mut ws.xn);
                 // Each projection is one hook call: the projection, the batch's LoRA delta (none
                 // without adapters) and the epilogue, which the device may fuse.
-                let rope = Epilogue::RopeQk { positions: &batch.positions, n_heads: c.num_heads, n_kv_heads: c.num_kv_heads, table: &self.rope };
+                let rope = Epilogue::RopeQk { positions: &batch.positions, n_heads: w.heads, n_kv_heads: w.kv_heads, table: &self.rope };
                 let qkv_epilogue = if l.qk_norm.is_some() { Epilogue::Plain } else { rope };
                 lora.project(d, li, LinearSite::Qkv, &ws.xn, m, &l.qkv, l.qkv_bias.as_ref(), qkv_epilogue, &mut ws.qkv);
                 if let Some(norm) = &l.qk_norm {
-                    d.qk_norm(&mut ws.qkv, m, c.num_heads, c.num_kv_heads, c.head_dim, norm);
-                    d.rope_qk(&mut ws.qkv, m, &batch.positions, c.num_heads, c.num_kv_heads, &self.rope);
+                    d.qk_norm(&mut ws.qkv, m, w.heads, w.kv_heads, c.head_dim, norm);
+                    d.rope_qk(&mut ws.qkv, m, &batch.positions, w.heads, w.kv_heads, &self.rope);
                 }
-                d.paged_attention(&ws.qkv, &attn_batch, kv, li, c.num_heads, scale, &mut ws.attn);
-                lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, None, Epilogue::Residual { resid: &mut ws.x }, &mut ws.delta);
+                d.paged_attention(&ws.qkv, &attn_batch, kv, li, w.heads, scale, &mut ws.attn);
+                // Under tensor parallelism the output is a partial sum whose LoRA delta must
+                // stay in it for the all-reduce (`Residual` would let the device add it into the
+                // replicated residual on every rank).
+                match tp {
+                    None => lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, None, Epilogue::Residual { resid: &mut ws.x }, &mut ws.delta),
+                    Some(t) => {
+                        lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, None, Epilogue::Plain, &mut ws.delta);
+                        t.comm.all_reduce_sum(&mut ws.delta, m * h);
+                    }
+                }
                 let (gate_up, down) = match &l.mlp {
                     Mlp::Dense { gate_up, down } => {
                         lora.norm(d, li, LinearSite::GateUp, &mut ws.x, Some(&ws.delta), &l.mlp_norm, c.rms_norm_eps, m, h, &mut ws.xn);
@@ -294,7 +390,13 @@ impl LlamaModel {
                     }
                 };
                 lora.project(d, li, LinearSite::GateUp, &ws.xn, m, gate_up, None, Epilogue::SiluMul { out: &mut ws.act }, &mut ws.gate_up);
-                lora.project(d, li, LinearSite::Down, &ws.act, m, down, None, Epilogue::Residual { resid: &mut ws.x }, &mut ws.delta);
+                match tp {
+                    None => lora.project(d, li, LinearSite::Down, &ws.act, m, down, None, Epilogue::Residual { resid: &mut ws.x }, &mut ws.delta),
+                    Some(t) => {
+                        lora.project(d, li, LinearSite::Down, &ws.act, m, down, None, Epilogue::Plain, &mut ws.delta);
+                        t.comm.all_reduce_sum(&mut ws.delta, m * h);
+                    }
+                }
             }
             d.add_inplace(&mut ws.x, &ws.delta, m * h);
             if nl == 0 {
@@ -307,9 +409,13 @@ impl LlamaModel {
                 return;
             }
             let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-            d.matmul(&ws.last_n, nl, head, None, &mut ws.logits);
+            let logits = if tp.is_some() { &mut ws.logits_shard } else { &mut ws.logits };
+            d.matmul(&ws.last_n, nl, head, None, logits);
             if lora_on {
-                lora.lm_head(d, &ws.last_n, &batch.logits_rows, &mut ws.logits);
+                lora.lm_head(d, &ws.last_n, &batch.logits_rows, logits);
+            }
+            if let Some(t) = tp {
+                t.comm.all_gather_cols(&ws.logits_shard, nl, w.vocab, &mut ws.logits);
             }
         });
     }

@@ -9,8 +9,11 @@ use crate::formats::{FormatError, WeightSource};
 use crate::llama::{LayerWeights, LlamaModel};
 use crate::moe::{Mlp, MoeWeights, SharedExpert};
 use crate::tokenizer::Tokenizer;
+use crate::tp::shard::{take_cols, take_rows};
+use crate::tp::TensorParallel;
 use anyhow::{Context, Result};
 use quiver_kernels::{DType, Device, QkNorm, Weight};
+use quiver_lora::TpShard;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -22,6 +25,7 @@ pub struct LoadedModel {
 }
 
 /// Weight names differ by container; everything else is shared.
+#[derive(Clone, Copy)]
 enum Names {
     /// `prefix` is `model.` in a `…ForCausalLM` checkpoint, empty in a bare decoder's.
     Hf { prefix: &'static str, arch: Arch },
@@ -139,12 +143,18 @@ fn unpermute_rows(w: &[f32], n_head: usize, rows: usize, cols: usize) -> Vec<f32
 
 /// Loads a model from a `.gguf` file or an HF directory.
 pub fn load_model(path: &Path, device: Arc<dyn Device>, dtype: DType) -> Result<LoadedModel> {
+    load_model_tp(path, device, dtype, 1)
+}
+
+/// Loads a model split over `tp` tensor-parallel ranks formed from `device`
+/// (`Device::tensor_parallel_group`); `tp` = 1 is [`load_model`].
+pub fn load_model_tp(path: &Path, device: Arc<dyn Device>, dtype: DType, tp: usize) -> Result<LoadedModel> {
     if path.is_dir() {
         let config = ModelConfig::from_hf_dir(path)?;
         let weights = SafetensorsWeights::open(path)?;
         let tokenizer = Tokenizer::from_hf_dir(path)?;
         let names = Names::hf(&weights, config.arch);
-        let model = build(&weights, names, config, device, dtype, false)?;
+        let model = build_group(&weights, names, config, device, dtype, false, tp)?;
         Ok(LoadedModel { model, tokenizer, path: path.to_path_buf() })
     } else {
         let gguf = GgufFile::open(path)?;
@@ -156,12 +166,43 @@ pub fn load_model(path: &Path, device: Arc<dyn Device>, dtype: DType) -> Result<
         let tokenizer = Tokenizer::from_gguf(&gguf).with_context(|| format!("{}: tokenizer", path.display()))?;
         // llama.cpp permutes q/k rows for the archs it runs with adjacent-pair RoPE.
         let permuted = matches!(config.arch, Arch::Llama | Arch::Mistral | Arch::Mixtral);
-        let model = build(&gguf, Names::Gguf, config, device, dtype, permuted)?;
+        let model = build_group(&gguf, Names::Gguf, config, device, dtype, permuted, tp)?;
         Ok(LoadedModel { model, tokenizer, path: path.to_path_buf() })
     }
 }
 
-fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<dyn Device>, dtype: DType, permuted_qk: bool) -> Result<LlamaModel> {
+/// A model from tensors named as in an HF checkpoint (`model.…`), split over `tp` ranks like
+/// [`load_model_tp`]: models built in memory ([`crate::formats::memory::MemoryWeights`]).
+pub fn load_hf_weights(src: &dyn WeightSource, config: ModelConfig, device: Arc<dyn Device>, dtype: DType, tp: usize) -> Result<LlamaModel> {
+    let names = Names::hf(src, config.arch);
+    build_group(src, names, config, device, dtype, false, tp)
+}
+
+/// The whole model on `device` (`tp` = 1), or rank 0 of a group of `tp` ranks carrying the
+/// others, each rank's weights sliced from the full tensors.
+fn build_group(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<dyn Device>, dtype: DType, permuted_qk: bool, tp: usize) -> Result<LlamaModel> {
+    if tp == 1 {
+        return build(src, names, config, device, dtype, permuted_qk, None);
+    }
+    let shards = crate::tp::shard::shards(&config, tp).map_err(anyhow::Error::msg)?;
+    let group = device.tensor_parallel_group(tp).map_err(|e| anyhow::anyhow!("--tensor-parallel-size {tp}: {e}"))?;
+    let comms: Vec<_> = group.iter().map(|(_, c)| c.clone()).collect();
+    let mut ranks = shards.into_iter().zip(group).map(|(shard, (dev, comm))| {
+        let mut m = build(src, names, config.clone(), dev, dtype, permuted_qk, Some(&shard))?;
+        m.tp = Some(Box::new(TensorParallel::peer(shard, comm)));
+        Ok(m)
+    });
+    let mut leader = ranks.next().expect("rank 0")?;
+    let peers = ranks.collect::<Result<Vec<_>>>()?;
+    let shard0 = leader.tp.take().expect("set above").shard;
+    leader.tp = Some(Box::new(TensorParallel::leader(shard0, comms, peers)));
+    Ok(leader)
+}
+
+/// The model, or with `shard` one tensor-parallel rank's part of it: q heads and kv heads of
+/// qkv, intermediate columns of gate_up and down, q columns of o, vocab rows of the embedding
+/// and the LM head (`tp::shard`); the caller sets `tp`.
+fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<dyn Device>, dtype: DType, permuted_qk: bool, shard: Option<&TpShard>) -> Result<LlamaModel> {
     let c = &config;
     device.check_head_dim(c.head_dim).map_err(|e| anyhow::anyhow!("{}: {e}", src.path().display()))?;
     device.check_layer_ops(c.qk_norm.is_some(), c.moe.is_some()).map_err(|e| anyhow::anyhow!("{}: {e}", src.path().display()))?;
@@ -173,7 +214,11 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
     let largest = [c.vocab_size * h, (q + 2 * kv) * h, 2 * inter * h, experts].into_iter().max().unwrap_or(0) * elem;
     device.check_alloc(largest).map_err(|e| anyhow::anyhow!("{}: {e}", src.path().display()))?;
     let wt = |rows: usize, cols: usize, data: Vec<f32>| device.load_weight(Weight::from_f32(rows, cols, data, dtype));
-    let embed = wt(c.vocab_size, h, load(src, &names.embed(), &[c.vocab_size, h])?);
+    // A rank's rows (or columns) of a full tensor; everything without a shard.
+    let whole = TpShard { rank: 0, ranks: 1, q: 0..q, kv: 0..kv, inter: 0..inter, vocab: 0..c.vocab_size };
+    let sh = shard.unwrap_or(&whole);
+    let vocab_rows = |w: Vec<f32>| take_rows(w, h, sh.vocab.clone());
+    let embed = wt(sh.vocab.len(), h, vocab_rows(load(src, &names.embed(), &[c.vocab_size, h])?));
     let mut layers = Vec::with_capacity(c.num_layers);
     for i in 0..c.num_layers {
         let l = |part: &str, shape: &[usize]| load(src, &names.layer(i, part, "weight"), shape);
@@ -184,9 +229,9 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
             wk = unpermute_rows(&wk, c.num_kv_heads, kv, h);
         }
         let wv = l("v", &[kv, h])?;
-        let mut qkv = wq;
-        qkv.extend_from_slice(&wk);
-        qkv.extend_from_slice(&wv);
+        let mut qkv = take_rows(wq, h, sh.q.clone());
+        qkv.extend_from_slice(&wk[sh.kv.start * h..sh.kv.end * h]);
+        qkv.extend_from_slice(&wv[sh.kv.start * h..sh.kv.end * h]);
         let qkv_bias = if c.qkv_bias {
             let b = |part: &str, n: usize| load(src, &names.layer(i, part, "bias"), &[n]);
             let mut bq = b("q", q)?;
@@ -195,9 +240,11 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
                 bq = unpermute_rows(&bq, c.num_heads, q, 1);
                 bk = unpermute_rows(&bk, c.num_kv_heads, kv, 1);
             }
-            bq.extend(bk);
-            bq.extend(b("v", kv)?);
-            Some(device.tensor_from(&bq))
+            let bv = b("v", kv)?;
+            let mut bias = bq[sh.q.clone()].to_vec();
+            bias.extend_from_slice(&bk[sh.kv.clone()]);
+            bias.extend_from_slice(&bv[sh.kv.clone()]);
+            Some(device.tensor_from(&bias))
         } else {
             None
         };
@@ -214,16 +261,17 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
         let mlp = if c.is_moe_layer(i) {
             Mlp::Moe(Box::new(load_experts(src, &names, c, i, &*device, dtype)?))
         } else {
-            let mut gate_up = l("gate", &[inter, h])?;
-            gate_up.extend(l("up", &[inter, h])?);
-            Mlp::Dense { gate_up: wt(2 * inter, h, gate_up), down: wt(h, inter, l("down", &[h, inter])?) }
+            let mut gate_up = take_rows(l("gate", &[inter, h])?, h, sh.inter.clone());
+            gate_up.extend(take_rows(l("up", &[inter, h])?, h, sh.inter.clone()));
+            let down = take_cols(l("down", &[h, inter])?, inter, sh.inter.clone());
+            Mlp::Dense { gate_up: wt(2 * sh.inter.len(), h, gate_up), down: wt(h, sh.inter.len(), down) }
         };
         layers.push(LayerWeights {
             attn_norm: device.tensor_from(&l("attn_norm", &[h])?),
-            qkv: wt(q + 2 * kv, h, qkv),
+            qkv: wt(sh.q.len() + 2 * sh.kv.len(), h, qkv),
             qkv_bias,
             qk_norm,
-            o: wt(h, q, l("o", &[h, q])?),
+            o: wt(h, sh.q.len(), take_cols(l("o", &[h, q])?, q, sh.q.clone())),
             mlp_norm: device.tensor_from(&l("mlp_norm", &[h])?),
             mlp,
         });
@@ -231,14 +279,14 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
     let final_norm = device.tensor_from(&load(src, &names.final_norm(), &[h])?);
     let hf = matches!(names, Names::Hf { .. });
     let lm_head = if src.contains(names.lm_head()) && !(c.tie_word_embeddings && hf) {
-        Some(wt(c.vocab_size, h, load(src, names.lm_head(), &[c.vocab_size, h])?))
+        Some(wt(sh.vocab.len(), h, vocab_rows(load(src, names.lm_head(), &[c.vocab_size, h])?)))
     } else if c.tie_word_embeddings || !c.has_lm_head {
         None
     } else {
         return Err(FormatError::tensor(src.path(), names.lm_head(), "missing (the config says embeddings are not tied)").into());
     };
     let rope = LlamaModel::build_rope(c, &*device);
-    Ok(LlamaModel { config, device, embed, layers, final_norm, lm_head, rope })
+    Ok(LlamaModel { config, device, embed, layers, final_norm, lm_head, rope, tp: None })
 }
 
 /// Layer `i`'s router, experts (fused gate/up per expert) and shared expert. HF checkpoints

@@ -43,7 +43,6 @@ use crate::sampling::{self, Sampler, SamplingParams};
 use crate::structured::{Grammars, Guide};
 use crate::text::{Detok, StopScan};
 use quiver_kernels::sample::{SampleOut, SampleSpec};
-use quiver_kernels::KvStorage;
 use quiver_lora::adapter::FileStamp;
 use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora, ReadLimits};
 use quiver_model::tokenizer::Tokenizer;
@@ -204,6 +203,10 @@ impl Engine {
         // The LoRA pool lives on the model's device: allocate it before sizing the KV cache from
         // what memory is left.
         let mut manager = LoraManager::new(dims, lcfg, model.device.clone()).map_err(|e| anyhow::anyhow!("LoRA setup: {e}"))?;
+        // A tensor-parallel model: every rank gets its cut of each adapter.
+        if let Some(ranks) = model.tp_ranks() {
+            manager.shard_pool(&ranks).map_err(|e| anyhow::anyhow!("LoRA setup over {} tensor-parallel ranks: {e}", ranks.len()))?;
+        }
         // Host-cache reloads go through the loader thread too (see `adapters`).
         manager.set_disk_reload(false);
         let bs = cfg.block_size;
@@ -397,7 +400,7 @@ struct Core {
     model: LlamaModel,
     tokenizer: Arc<Tokenizer>,
     eos: Vec<u32>,
-    kv: KvStorage,
+    kv: quiver_model::KvCache,
     ws: Workspace,
     batch: ForwardBatch,
     stride: usize,

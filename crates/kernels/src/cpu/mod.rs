@@ -14,6 +14,7 @@ pub mod simd;
 
 use crate::{AttnBatch, Device, DeviceKind, ExpertWeights, KvStorage, LoraCall, LoraX, MoeRouting, QkNorm, RopeTable, Tensor, Weight, WeightData};
 use rayon::prelude::*;
+use std::sync::Arc;
 
 
 /// A raw pointer that parallel tasks may share: each task touches only its own part of the
@@ -34,6 +35,10 @@ pub fn gemm_kind() -> &'static str {
 pub struct CpuDevice {
     lora_images: bool,
     draws: crate::sample::HostDraws,
+    /// Runs each step on the calling thread (the device of a tensor-parallel group's ranks,
+    /// whose threads wait in collectives: on rayon workers, more ranks than workers would
+    /// deadlock).
+    steps_on_caller: bool,
 }
 
 impl CpuDevice {
@@ -110,7 +115,7 @@ impl Device for CpuDevice {
     /// the calling thread sleeps on: two futex round trips per op on the critical path, a few
     /// hundred ops per step.
     fn run_step(&self, _rows: usize, _shape: Option<u64>, body: &mut dyn FnMut()) {
-        if rayon::current_thread_index().is_some() {
+        if self.steps_on_caller || rayon::current_thread_index().is_some() {
             return body();
         }
         struct Body<'a, 'b>(&'a mut (dyn FnMut() + 'b));
@@ -130,6 +135,26 @@ impl Device for CpuDevice {
 
     fn alloc(&self, len: usize) -> Tensor {
         Tensor::zeros_cpu(len)
+    }
+
+    /// Ranks simulated as threads of this process: one device shared by every rank (so each
+    /// finds the last draws wherever its ids name them), running steps on the rank's thread,
+    /// and the in-process collectives.
+    fn tensor_parallel_group(&self, ranks: usize) -> Result<Vec<(Arc<dyn Device>, Arc<dyn crate::Collective>)>, String> {
+        if !(1..=crate::comm::MAX_HOST_RANKS).contains(&ranks) {
+            return Err(format!("{ranks} ranks: the CPU simulates 1 to {}", crate::comm::MAX_HOST_RANKS));
+        }
+        let device: Arc<dyn Device> = Arc::new(CpuDevice { lora_images: self.lora_images, steps_on_caller: true, ..Default::default() });
+        Ok(crate::comm::host_group(ranks).into_iter().map(|c| (device.clone(), c)).collect())
+    }
+
+    fn embedding_vocab_range(&self, table: &Weight, ids: &[u32], start: usize, out: &mut Tensor) {
+        let h = table.cols;
+        let out = &mut out.as_cpu_mut()[..ids.len() * h];
+        for_rows(out, h, |i, row| match (ids[i] as usize).checked_sub(start).filter(|&r| r < table.rows) {
+            Some(r) => table.row_f32(r, row),
+            None => row.fill(0.0),
+        });
     }
 
     fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {

@@ -350,6 +350,12 @@ impl Device for CudaDevice {
         DeviceKind::Cuda(self.ordinal)
     }
 
+    /// Not yet: the design (ARCHITECTURE.md, Tensor parallelism) is one `CudaDevice` per GPU
+    /// and NCCL collectives on their compute streams through cudarc's run-time loaded `nccl`.
+    fn tensor_parallel_group(&self, ranks: usize) -> Result<Vec<(std::sync::Arc<dyn Device>, std::sync::Arc<dyn crate::Collective>)>, String> {
+        Err(format!("{ranks} ranks on CUDA need NCCL collectives between the GPUs, which this build does not have yet (tensor parallelism runs on --device cpu only, as a correctness mode)"))
+    }
+
     fn alloc(&self, len: usize) -> Tensor {
         Tensor::from_cuda(DevBuf::zeroed(&self.ctx, len * 4).unwrap_or_else(|e| panic!("{}: {e:#}", self.name)))
     }

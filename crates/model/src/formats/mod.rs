@@ -5,6 +5,7 @@
 //! mapped file.
 
 pub mod gguf;
+pub mod memory;
 pub mod safetensors;
 
 use std::path::{Path, PathBuf};
