@@ -300,8 +300,8 @@ impl Engine {
             seq_adapters: Vec::new(),
             keys_buf: Vec::new(),
             match_buf: Vec::new(),
-            logits_buf: Vec::new(),
-            work_buf: Vec::new(),
+            host_rows: Vec::new(),
+            host_drawn: Vec::new(),
             to_sample: Vec::new(),
             prompt_rows: Vec::new(),
             in_flight: Vec::new(),
@@ -430,8 +430,9 @@ struct Core {
     seq_adapters: Vec<Option<AdapterKey>>,
     keys_buf: Vec<Option<AdapterKey>>,
     match_buf: Vec<BlockId>,
-    logits_buf: Vec<f32>,
-    work_buf: Vec<f32>,
+    /// This step's host draws: (sequence, logits row), then their outcomes (`draw.rs`).
+    host_rows: Vec<(usize, usize)>,
+    host_drawn: Vec<(usize, draw::HostDraw)>,
     /// This step's draws, and its prompt rows that score or end a prompt.
     to_sample: Vec<Draw>,
     prompt_rows: Vec<PromptRows>,
