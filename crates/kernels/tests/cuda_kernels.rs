@@ -55,16 +55,13 @@ fn paged_attention_matches_cpu() {
     device_kernels::paged_attention_matches_cpu(&gpu(), &CUDA_TOL);
 }
 
-/// The attention by KV head (`decode_attention.cu`; `QUIVER_CUDA_ATTN_GQA_MIN_ROWS=1` puts the
-/// 8-row decode step here on it) for every head dim it is built for and groups of 2, 4, 6 and 8
-/// query heads per KV head (the 4- and 8-wide builds), head dim 256 taking the prefill rows too.
+/// The attention by KV head (`decode_attention.cu`; taken from one row here, so the 8-row decode
+/// step and the prefill rows of head dim 256 run on it) for every head dim it is built for and
+/// groups of 2, 4, 6 and 8 query heads per KV head (the 4- and 8-wide builds).
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn attention_by_kv_head_matches_cpu() {
-    // Read when the device opens: set before the first `gpu()` of this process (the test binary
-    // runs it with --test-threads 1; every other test is indifferent to which kernel runs).
-    std::env::set_var("QUIVER_CUDA_ATTN_GQA_MIN_ROWS", "1");
-    device_kernels::paged_attention_cases_match_cpu(&gpu(), &CUDA_TOL, &[(16, 2, 128, 16), (8, 2, 256, 16), (12, 2, 64, 16), (8, 4, 128, 8), (32, 8, 128, 16)]);
+    device_kernels::paged_attention_cases_match_cpu(&gpu().with_attn_gqa_min_rows(1), &CUDA_TOL, &[(16, 2, 128, 16), (8, 2, 256, 16), (12, 2, 64, 16), (8, 4, 128, 8), (32, 8, 128, 16)]);
 }
 
 /// The batch-1 GEMVs with RoPE or SiLU·mul fused into their epilogue against the CPU running

@@ -37,6 +37,13 @@ fn gqa_attn_threads(rows: usize) -> u32 {
 }
 
 impl CudaDevice {
+    /// This device with the attention by KV head from `rows` rows instead of
+    /// `QUIVER_CUDA_ATTN_GQA_MIN_ROWS` or the default (tests put small steps on it).
+    pub fn with_attn_gqa_min_rows(mut self, rows: usize) -> Self {
+        self.attn_gqa_min_rows = rows;
+        self
+    }
+
     /// The attention-by-KV-head kernel for a step of `rows` rows, where it applies: enough rows
     /// (see `attn_gqa_min_rows`), a head dim it is built for, at most `ATTN_GQA_MAX_GROUP` query
     /// heads per KV head.
