@@ -183,7 +183,8 @@ def cmd_refs(out):
     os.makedirs(os.path.join(out, "ref"), exist_ok=True)
     for name in ["llama-gpu", "qwen2-gpu", "smollm2-rand", "qwen3moe-gpu", "qwen2moe-gpu"]:
         path = os.path.join(out, "ref", f"{name}.json")
-        if os.path.exists(path):
+        # Only the models this run made (`models ... llama-gpu,qwen2-gpu` leaves the MoE ones out).
+        if os.path.exists(path) or not os.path.isdir(os.path.join(out, "models", name)):
             continue
         t = time.time()
         model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "models", name), dtype=torch.float32,
@@ -205,7 +206,7 @@ def cmd_embed_refs(out):
     torch.set_float32_matmul_precision("highest")
     for name in EMBED_MODELS:
         path = os.path.join(out, "ref", f"{name}.json")
-        if os.path.exists(path):
+        if os.path.exists(path) or not os.path.isdir(os.path.join(out, "models", name)):
             continue
         model = AutoModel.from_pretrained(os.path.join(out, "models", name), dtype=torch.float32, attn_implementation="eager").cuda().eval()
         g = torch.Generator().manual_seed(98)

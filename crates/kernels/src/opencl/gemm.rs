@@ -2,7 +2,6 @@
 //! row count gives a row the same result), and for bf16 weights on Intel GPUs the DPAS GEMM of
 //! `dpas.cl` (XMX units) at the device's subgroup width.
 
-use super::tiles::GEMV_ROWS;
 use super::*;
 
 /// The DPAS program, for a DPAS kernel set.
@@ -30,7 +29,7 @@ impl OpenClDevice {
             }
         }
         let bf16 = *dtype == DType::Bf16;
-        if m <= GEMV_ROWS {
+        if m <= t.gemv_max_m {
             self.launch(if bf16 { "gemv_bf16" } else { "gemv_f32" }, &[n], Some(&[t.gemv_wg]), &args);
         } else {
             self.launch(if bf16 { "gemm_bf16" } else { "gemm_f32" }, &[n, m], Some(&[t.gemm_t, t.gemm_t]), &args);

@@ -113,7 +113,7 @@ impl OpenClDevice {
 
     fn with_caps(kind: DeviceKind, caps: Caps, set: KernelSet) -> Result<Self> {
         let name = format!("{kind} ({}, {})", caps.name.trim(), caps.platform.trim());
-        let tiles = tiles::Tiles::from_env()?;
+        let tiles = tiles::Tiles::from_env(caps.is_gpu)?;
         // Refused here, naming the limit, rather than failing a launch mid-step.
         let need_wg = tiles.max_work_group().max(ROW_WG).max(ATTN_WG);
         if caps.max_work_group < need_wg {

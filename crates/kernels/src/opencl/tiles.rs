@@ -8,7 +8,7 @@
 use super::KernelSet;
 use anyhow::{bail, Result};
 
-/// Most rows of the GEMV (`GEMV_ROWS` in gemm.cl): the row count where the GEMM takes over.
+/// Most rows of the GEMV (`GEMV_ROWS` in gemm.cl): the most rows it can take.
 pub(super) const GEMV_ROWS: usize = 4;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,11 +24,18 @@ pub(super) struct Tiles {
     /// Most grouped rows of one expert per tile of the experts' grouped GEMM (a work-group row
     /// of its grid; the GEMM and DPAS tiles run over them in turn).
     pub(super) moe_tile_m: usize,
+    /// Steps of at most this many rows take the GEMV (0..=`GEMV_ROWS`), longer ones the tiled
+    /// GEMM. The GEMV runs one work-item per output column, so a 2048-wide output keeps only
+    /// 2048 chains in flight: right for a CPU runtime (W read once for all rows, from cache),
+    /// far too few loads in flight for a GPU. Under NVIDIA's OpenCL driver on an H200 a one-row
+    /// step took 89 ms with the GEMV and a 16-row step 13 ms with the GEMM, so GPUs default to
+    /// the GEMM from one row (same arithmetic: the result does not change, only the speed).
+    pub(super) gemv_max_m: usize,
 }
 
 impl Default for Tiles {
     fn default() -> Self {
-        Tiles { gemm_t: 16, gemv_wg: 64, gemv_kc: 64, dpas_mt: 2, dpas_nt: 2, moe_tile_m: 32 }
+        Tiles { gemm_t: 16, gemv_wg: 64, gemv_kc: 64, dpas_mt: 2, dpas_nt: 2, moe_tile_m: 32, gemv_max_m: GEMV_ROWS }
     }
 }
 
@@ -36,7 +43,10 @@ impl Tiles {
     /// The defaults with `spec` (`NAME=VALUE,...`) applied; a name or value out of range is an
     /// error naming it, not a silent default.
     pub(super) fn parse(spec: &str) -> Result<Self> {
-        let mut t = Tiles::default();
+        Self::parse_over(Tiles::default(), spec)
+    }
+
+    fn parse_over(mut t: Tiles, spec: &str) -> Result<Self> {
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let Some((name, value)) = item.split_once('=') else { bail!("QUIVER_OPENCL_TILES: `{item}` is not NAME=VALUE") };
             let v: usize = value.trim().parse().map_err(|_| anyhow::anyhow!("QUIVER_OPENCL_TILES: {name}={value} is not a whole number"))?;
@@ -48,7 +58,8 @@ impl Tiles {
                 "DPAS_MT" => (&mut t.dpas_mt, 1, 4),
                 "DPAS_NT" => (&mut t.dpas_nt, 1, 4),
                 "MOE_TILE_M" => (&mut t.moe_tile_m, 1, 1024),
-                n => bail!("QUIVER_OPENCL_TILES: unknown tile `{n}` (expected GEMM_T, GEMV_WG, GEMV_KC, DPAS_MT, DPAS_NT, MOE_TILE_M)"),
+                "GEMV_MAX_M" => (&mut t.gemv_max_m, 0, GEMV_ROWS),
+                n => bail!("QUIVER_OPENCL_TILES: unknown tile `{n}` (expected GEMM_T, GEMV_WG, GEMV_KC, GEMV_MAX_M, DPAS_MT, DPAS_NT, MOE_TILE_M)"),
             };
             if !(lo..=hi).contains(&v) {
                 bail!("QUIVER_OPENCL_TILES: {name}={v} is outside {lo}..={hi}");
@@ -58,9 +69,10 @@ impl Tiles {
         Ok(t)
     }
 
-    /// The tiles of this run: `QUIVER_OPENCL_TILES` over the defaults.
-    pub(super) fn from_env() -> Result<Self> {
-        Self::parse(&std::env::var("QUIVER_OPENCL_TILES").unwrap_or_default())
+    /// The tiles of this run: `QUIVER_OPENCL_TILES` over the defaults for a GPU or not.
+    pub(super) fn from_env(is_gpu: bool) -> Result<Self> {
+        let defaults = Tiles { gemv_max_m: if is_gpu { 0 } else { GEMV_ROWS }, ..Tiles::default() };
+        Self::parse_over(defaults, &std::env::var("QUIVER_OPENCL_TILES").unwrap_or_default())
     }
 
     /// The `-D` defines every program of the set is compiled with.
@@ -97,6 +109,8 @@ mod tests {
         assert!(t.defines(&KernelSet::Portable).contains("-DMOE_TILE_M=5"));
         assert!(t.defines(&KernelSet::Dpas { lanes: 16, emulated: false }).contains("-DDPAS_NT=4"));
         assert!(!t.defines(&KernelSet::Portable).contains("DPAS"));
+        assert_eq!(Tiles::parse("GEMV_MAX_M=0").unwrap().gemv_max_m, 0);
+        assert!(Tiles::parse("GEMV_MAX_M=5").unwrap_err().to_string().contains("GEMV_MAX_M=5"));
         for (bad, says) in [("GEMM_T=0", "GEMM_T=0"), ("FOO=1", "FOO"), ("GEMV_KC", "NAME=VALUE"), ("DPAS_MT=x", "DPAS_MT=x")] {
             let e = Tiles::parse(bad).unwrap_err().to_string();
             assert!(e.contains(says), "{bad}: {e}");
