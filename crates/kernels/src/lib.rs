@@ -26,7 +26,7 @@ pub use moe::{ExpertWeights, MoeRouting, QkNorm, RouterSpec};
 use std::fmt;
 use std::sync::Arc;
 
-pub use lora::{GroupRows, LoraCall, LoraGroups, LoraImage, LoraSiteBuffers, LoraSiteShape, LoraStorage, LoraTable, LoraX};
+pub use lora::{GroupRows, LoraCall, LoraExpertCall, LoraGroups, LoraImage, LoraSiteBuffers, LoraSiteShape, LoraStorage, LoraTable, LoraX};
 
 /// Where a [`Device`] computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -547,11 +547,20 @@ pub trait Device: Send + Sync {
     fn lora_tile_rows(&self) -> usize {
         0
     }
-    /// Whether LoRA on MoE experts can run here: its grouping of routed rows by (adapter,
-    /// expert) is built on the host from [`MoeRouting`]'s host copy, so a device whose routing
-    /// stays in its own memory says why not, and the LoRA pool refuses expert sites with that.
-    fn lora_experts_supported(&self) -> Result<(), String> {
+    /// Whether LoRA on MoE experts can run here for `slots` adapter slots over `experts`
+    /// experts (the pool asks before allocating expert sites and refuses them with the reason).
+    /// The default runs [`Self::lora_experts`] on [`MoeRouting`]'s host copy; a device whose
+    /// routing stays in its own memory either groups on the device or says why not.
+    fn lora_experts_supported(&self, _slots: usize, _experts: usize) -> Result<(), String> {
         Ok(())
+    }
+    /// `y[p] += Δ_{w·E+e}(x[p])` for every routed position p of `route` (expert e, token row
+    /// of adapter slot w; base rows untouched): `x` and `y` are the grouped `[m·k, in]` input and
+    /// `[m·k, out]` output of the experts' grouped GEMM (see [`LoraExpertCall`]). The default
+    /// runs the call's host path on the host routing.
+    fn lora_experts(&self, call: &LoraExpertCall<'_>, route: &MoeRouting, x: &Tensor, y: &mut Tensor) {
+        let h = route.as_host().expect("lora_experts on a routing in device memory: the device must implement lora_experts");
+        (call.host)(h, x, y)
     }
     /// `y[t] += Δ(x[t])` for every row `t` of `call.groups` (the `lora` module's formula); `y` is
     /// row-major `[call.groups.rows, out]`.

@@ -241,6 +241,45 @@ impl LoraCall<'_> {
     }
 }
 
+/// One expert site's LoRA delta over an MoE layer's routed positions: what
+/// [`crate::Device::lora_experts`] runs. Its rows are the routing's `m·k` grouped positions (the
+/// rows of the experts' grouped GEMM input and output); position p of expert e, whose token row
+/// has adapter slot w, takes slot `w·E + e` of the site (`E` slots per adapter slot), base rows
+/// none. The delta lands in the expert's output before the router-weighted combine, so the
+/// combine scales it by the router weight exactly as it scales the base expert's output.
+#[derive(Clone, Copy)]
+pub struct LoraExpertCall<'a> {
+    pub buffers: &'a LoraSiteBuffers,
+    /// The expert sites' table: `S·E` slots per entry.
+    pub table: &'a LoraTable,
+    /// This site's row of the table.
+    pub entry: usize,
+    /// Adapter slots `S` of the batch.
+    pub slots: usize,
+    /// The token rows' groups in the layout of [`pack_tiles`], staged with the batch: its
+    /// row-slot table is each token row's adapter slot where the device reads it (empty on a
+    /// device that reads host slices).
+    pub token_groups: &'a [u32],
+    /// The host path, for a device whose routing is in host memory: groups the positions of the
+    /// host routing by (slot, expert) and adds their deltas through `lora_apply`, as the LoRA
+    /// crate's backend policy chooses.
+    pub host: &'a dyn Fn(&crate::moe::HostRouting, &crate::Tensor, &mut crate::Tensor),
+}
+
+impl LoraExpertCall<'_> {
+    pub fn shape(&self) -> &LoraSiteShape {
+        &self.buffers.shape
+    }
+    /// Token rows of the staged groups (`token_groups` is [`packed_len`] of them).
+    pub fn token_rows(&self) -> usize {
+        self.token_groups.len().saturating_sub(1) / 6
+    }
+    /// The staged row-slot table: word offset of token row 0's slot in `token_groups`.
+    pub fn row_slot_offset(&self) -> usize {
+        1 + 5 * self.token_rows()
+    }
+}
+
 /// The input of a LoRA site.
 #[derive(Clone, Copy)]
 pub enum LoraX<'a> {

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use quiver_kernels::lora::GroupRows;
-use quiver_kernels::{Device, DeviceKind, Epilogue, LoraX, MoeRouting, Tensor, Weight};
+use quiver_kernels::moe::HostRouting;
+use quiver_kernels::{Device, DeviceKind, Epilogue, LoraExpertCall, LoraX, MoeRouting, Tensor, Weight};
 
 use crate::backend::{create_backend, LoraBackend, SiteRef, DEFAULT_BACKEND};
 use crate::batch::{LoraBatchInfo, RowGrouping, DEFAULT_CHUNK_SIZE};
@@ -69,8 +70,9 @@ pub struct LoraManager {
     seq_slots: Vec<Option<u32>>,
     /// See [`LoraManager::set_disk_reload`].
     disk_reload: bool,
-    /// The grouping of an MoE layer's routed positions, rebuilt per layer (a hook is `&self`
-    /// and the model calls it one layer at a time, so the lock is never contended).
+    /// The host grouping of an MoE layer's routed positions (devices whose routing is in host
+    /// memory), rebuilt per layer (a hook is `&self` and the model calls it one layer at a
+    /// time, so the lock is never contended).
     expert_rows: std::sync::Mutex<RowGrouping>,
 }
 
@@ -542,15 +544,20 @@ impl LoraHook for BatchHook<'_> {
             return;
         }
         let Some((buffers, entry)) = self.pool.expert_site(layer, site) else { return };
-        // The pool refused expert sites on a device whose routing stays in its own memory.
-        let h = route.as_host().expect("expert LoRA with routing in device memory");
-        let n = route.rows * route.spec.top_k;
         assert_eq!(route.rows, self.info.tokens.rows(), "LoRA expert hook: routing of {} rows for a batch of {}", route.rows, self.info.tokens.rows());
-        let mut g = self.expert_rows.lock().unwrap();
-        g.group_experts(&self.info.tokens.row_slot, &h.offsets, &h.row_of[..n], self.info.num_slots, self.info.chunk_size, self.info.tile_rows);
-        if g.adapter_rows > 0 {
-            self.backend.apply(dev, SiteRef { buffers, table: self.pool.expert_table(), entry }, &g, LoraX::Dense(x), y);
-        }
+        let table = self.pool.expert_table();
+        // A device whose routing is in host memory groups the positions here, by (slot, expert),
+        // and runs the same backend policy as every other site.
+        let host = |h: &HostRouting, x: &Tensor, y: &mut Tensor| {
+            let n = route.rows * route.spec.top_k;
+            let mut g = self.expert_rows.lock().unwrap();
+            g.group_experts(&self.info.tokens.row_slot, &h.offsets, &h.row_of[..n], self.info.num_slots, self.info.chunk_size, self.info.tile_rows);
+            if g.adapter_rows > 0 {
+                self.backend.apply(dev, SiteRef { buffers, table, entry }, &g, LoraX::Dense(x), y);
+            }
+        };
+        let call = LoraExpertCall { buffers, table, entry, slots: self.info.num_slots, token_groups: &self.info.tokens.packed_segments, host: &host };
+        dev.lora_experts(&call, route, x, y);
     }
 
     fn shared_expert(&self, dev: &dyn Device, layer: usize, site: ExpertSite, x: &Tensor, m: usize, y: &mut Tensor) {

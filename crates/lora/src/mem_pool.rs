@@ -175,7 +175,7 @@ impl LoraMemoryPool {
             })
             .sum();
         if bytes > 0 {
-            device.lora_experts_supported().map_err(|why| LoraError::Invalid(format!("LoRA on experts: {why}; drop `experts` from the LoRA target modules")))?;
+            device.lora_experts_supported(num_slots, e).map_err(|why| LoraError::Invalid(format!("LoRA on experts: {why}; drop `experts` from the LoRA target modules")))?;
         }
         if bytes > MAX_EXPERT_POOL_BYTES {
             return Err(LoraError::Invalid(format!(

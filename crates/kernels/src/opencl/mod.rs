@@ -417,8 +417,8 @@ impl Device for OpenClDevice {
         lora::TILE_ROWS
     }
 
-    fn lora_experts_supported(&self) -> Result<(), String> {
-        Err("not on OpenCL yet (the routing stays on the device and no grouped expert-LoRA kernel exists; the CPU device runs it)".into())
+    fn lora_experts_supported(&self, _slots: usize, _experts: usize) -> Result<(), String> {
+        Err("not on OpenCL yet (the routing stays on the device and no OpenCL kernel groups the routed rows by adapter and expert; the CPU and CUDA devices run it)".into())
     }
 
     fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
