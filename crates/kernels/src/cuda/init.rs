@@ -35,6 +35,7 @@ impl CudaDevice {
             lora_t: DevBuf::zeroed(&ctx, 0)?,
             lora_counters: DevBuf::zeroed(&ctx, 0)?,
             lora_delta: DevBuf::zeroed(&ctx, 0)?,
+            lora_expert_groups: DevBuf::zeroed(&ctx, 0)?,
             lora_ahead_t: DevBuf::zeroed(&ctx, 0)?,
             lora_ahead: None,
             gemv_lora_ctr: DevBuf::zeroed(&ctx, 16)?,

@@ -18,7 +18,7 @@
 //! them; an eager step launches just the tiles it has.
 
 use super::*;
-use crate::lora::{packed_len, LoraCall, LoraSiteShape, LoraStorage, LoraX, MAX_SLICES};
+use crate::lora::{packed_len, LoraCall, LoraSiteBuffers, LoraSiteShape, LoraStorage, LoraTable, LoraX, MAX_SLICES};
 
 /// Most rows per tile (`LORA_TILE` in lora.cu): a prefill segment's tiles feed the tensor-core
 /// shrink 64 rows at a time; decode chunks are shorter (the chunk size).
@@ -92,6 +92,7 @@ pub(super) fn dev_buf(s: &LoraStorage) -> &DevBuf {
 }
 
 /// A LoRA call's device addresses (see [`CudaDevice::lora_site`]).
+#[derive(Clone, Copy)]
 pub(super) struct LoraSite {
     pub(super) shape: LoraSiteShape,
     pub(super) a: u64,
@@ -156,6 +157,29 @@ impl LoraSite {
     }
 }
 
+/// The device addresses of a site's slot buffers and of its `entry` row of `table`, over the
+/// packed groups at `gp` (`cap` rows).
+pub(super) fn lora_site_at(buffers: &LoraSiteBuffers, table: &LoraTable, entry: usize, gp: u64, cap: usize, recording: bool) -> LoraSite {
+    let t = dev_buf(table.device.as_ref().expect("a CUDA LoRA table has a device mirror")).ptr;
+    let s = table.slots;
+    LoraSite {
+        shape: buffers.shape,
+        a: dev_buf(&buffers.a).ptr,
+        b: dev_buf(&buffers.b).ptr,
+        ranks: t + (4 * entry * s) as u64,
+        scal: t + (4 * (table.entries * s + entry * s * MAX_SLICES)) as u64,
+        gp,
+        cap,
+        recording,
+    }
+}
+
+/// Tile (or work-item) blocks of a launch over groups of `cap` rows whose count the host does
+/// not read: each block loops over the tiles the device's groups hold.
+pub(super) fn fixed_blocks(cap: usize) -> usize {
+    cap.min(RECORDED_TILE_BLOCKS)
+}
+
 /// A second stream for LoRA shrinks: the shrink of a site needs only the site's input, like
 /// the site's base GEMM, so it runs beside the GEMM (forked after the work queued so far, which
 /// also orders it after the previous site's expand, the last reader of the shrink scratch) and
@@ -187,6 +211,9 @@ pub(super) struct LoraGeometry {
     pub(super) splits: usize,
     /// Widest site output: the delta buffer of steps whose expand runs beside the GEMM.
     pub(super) out: usize,
+    /// Routed positions per token row of the MoE layers (their top-k; 0 without experts): an
+    /// expert site's LoRA runs over `rows × pairs_per_row` positions (`lora_experts.rs`).
+    pub(super) pairs_per_row: usize,
 }
 
 /// Steps of at most this many rows compute a site's whole delta beside its GEMM (on the side
@@ -195,11 +222,17 @@ pub(super) struct LoraGeometry {
 pub(super) const DELTA_BESIDE_MAX_ROWS: usize = 128;
 
 impl CudaDevice {
-    /// Sizes the shrink scratch for a step of `rows` token rows that runs LoRA kernels.
+    /// Sizes the shrink scratch (and the expert sites' groups) for a step of `rows` token rows
+    /// that runs LoRA kernels.
     pub(super) fn lora_reserve(&self, st: &mut State, rows: usize) {
         let g = *self.lora_geom.lock().unwrap();
-        self.grow(&mut st.lora_t, (1 + g.splits) * rows * g.width.max(1) * 4);
-        self.grow(&mut st.lora_counters, counters_len(rows, g.width.max(1)) * 4);
+        // Expert sites run over a row per routed position.
+        let cap = rows * g.pairs_per_row.max(1);
+        self.grow(&mut st.lora_t, (1 + g.splits) * cap * g.width.max(1) * 4);
+        self.grow(&mut st.lora_counters, counters_len(cap, g.width.max(1)) * 4);
+        if g.pairs_per_row > 0 {
+            self.grow(&mut st.lora_expert_groups, super::lora_experts::expert_groups_words(cap) * 4);
+        }
         if rows <= DELTA_BESIDE_MAX_ROWS {
             self.grow(&mut st.lora_delta, rows * g.out.max(1) * 4);
         }
@@ -268,18 +301,8 @@ impl CudaDevice {
             return None;
         }
         assert!(g.packed.len() == packed_len(cap), "CUDA lora_apply needs the groups packed for {cap} rows (LoraGroups::packed)");
-        let table = dev_buf(call.table.device.as_ref().expect("a CUDA LoRA table has a device mirror")).ptr;
-        let s = call.table.slots;
-        Some(LoraSite {
-            shape: *call.shape(),
-            a: dev_buf(&call.buffers.a).ptr,
-            b: dev_buf(&call.buffers.b).ptr,
-            ranks: table + (4 * call.entry * s) as u64,
-            scal: table + (4 * (call.table.entries * s + call.entry * s * MAX_SLICES)) as u64,
-            gp: self.meta_ptr(st, g.packed),
-            cap,
-            recording,
-        })
+        let gp = self.meta_ptr(st, g.packed);
+        Some(lora_site_at(call.buffers, call.table, call.entry, gp, cap, recording))
     }
 
     /// The LoRA arguments of a single-row GEMV over `blocks` blocks that computes the shrink of
@@ -318,7 +341,7 @@ impl CudaDevice {
         let g = &call.groups;
         let zrows = expand_rows(cap, call.shape().shrink_width());
         if recording {
-            cap.min(RECORDED_TILE_BLOCKS)
+            fixed_blocks(cap)
         } else {
             let n = g.packed[0] as usize;
             g.packed[1 + 2 * cap..1 + 2 * cap + n].iter().map(|&r| (r as usize).div_ceil(zrows)).sum()
@@ -331,44 +354,51 @@ impl CudaDevice {
     pub(super) fn lora_shrink_launch(&self, call: &LoraCall<'_>, x: LoraX<'_>) -> Option<LoraLaunch> {
         self.bind();
         let mut st = self.state.lock().unwrap();
-        let LoraSite { shape: sh, a, b, ranks, scal, gp, cap, recording } = self.lora_site(&mut st, call)?;
+        let site = self.lora_site(&mut st, call)?;
         let g = &call.groups;
-        let w = sh.shrink_width();
         // Eager: a block per tile there is. Recording: blocks for up to RECORDED_TILE_BLOCKS
         // tiles, each looping over the tiles of the step replayed (the data decides how many).
-        let tiles = if recording { cap.min(RECORDED_TILE_BLOCKS) } else { g.packed[0] as usize };
+        let tiles = if site.recording { fixed_blocks(site.cap) } else { g.packed[0] as usize };
         if tiles == 0 {
             return None;
         }
         // The expand's work items: `expand_rows` rows of a tile each.
-        let items = self.lora_expand_items(call, cap, recording);
+        let items = self.lora_expand_items(call, site.cap, site.recording);
         match x {
-            LoraX::Dense(x) => {
-                let (klen, splits) = split_k(sh.in_dim);
-                self.lora_scratch(&mut st, (1 + splits) * cap * w, counters_len(cap, w), recording);
-                let (t, counters) = (st.lora_t.ptr, st.lora_counters.ptr);
-                // One-dimensional grids of at most a wave, looping over the pieces (kernel docs).
-                if cap >= MMA_MIN_ROWS && sh.in_dim.is_multiple_of(64) {
-                    let gy = w.div_ceil(SHRINK_MMA_COLS);
-                    let grid = (tiles * gy * splits).min(SHRINK_MMA_BLOCKS) as u32;
-                    launch!(self, self.k.lora_shrink_mma, (grid, 1, 1), (128, 1, 1);
-                        buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, gy as i32, splits as i32, t, counters);
-                } else {
-                    let gy = w.div_ceil(SHRINK_ROWS);
-                    let grid = (tiles * gy * splits).min(SHRINK_BLOCKS) as u32;
-                    launch!(self, self.k.lora_shrink, (grid, 1, 1), (256, 1, 1);
-                        buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, gy as i32, splits as i32, t, counters);
-                }
-            }
+            LoraX::Dense(x) => self.lora_shrink_dense(&mut st, &site, x, tiles),
             LoraX::TokenIds(ids) => {
-                self.lora_scratch(&mut st, cap * w, 0, recording);
+                let (sh, cap) = (site.shape, site.cap);
+                self.lora_scratch(&mut st, cap * sh.shrink_width(), 0, site.recording);
                 let idp = self.meta_ptr(&mut st, ids);
                 launch!(self, self.k.lora_shrink_ids, (tiles as u32, 1, 1), (256, 1, 1);
-                    idp, a, gp, cap as i32, ranks, sh.max_rank as i32, sh.in_dim as i32, st.lora_t.ptr);
+                    idp, site.a, site.gp, cap as i32, site.ranks, sh.max_rank as i32, sh.in_dim as i32, st.lora_t.ptr);
+                self.mark("lora shrink");
             }
         }
+        Some(LoraLaunch { shape: site.shape, gp: site.gp, cap: site.cap, items, t: st.lora_t.ptr, b: site.b, ranks: site.ranks, scal: site.scal })
+    }
+
+    /// The shrink `t = x·Aᵀ` of a dense input over `site`'s packed groups, on a grid for `tiles`
+    /// tiles (its blocks loop over the pieces of the tiles the groups hold).
+    pub(super) fn lora_shrink_dense(&self, st: &mut State, site: &LoraSite, x: &Tensor, tiles: usize) {
+        let LoraSite { shape: sh, a, gp, cap, ranks, .. } = *site;
+        let w = sh.shrink_width();
+        let (klen, splits) = split_k(sh.in_dim);
+        self.lora_scratch(st, (1 + splits) * cap * w, counters_len(cap, w), site.recording);
+        let (t, counters) = (st.lora_t.ptr, st.lora_counters.ptr);
+        // One-dimensional grids of at most a wave, looping over the pieces (kernel docs).
+        if cap >= MMA_MIN_ROWS && sh.in_dim.is_multiple_of(64) {
+            let gy = w.div_ceil(SHRINK_MMA_COLS);
+            let grid = (tiles * gy * splits).min(SHRINK_MMA_BLOCKS) as u32;
+            launch!(self, self.k.lora_shrink_mma, (grid, 1, 1), (128, 1, 1);
+                buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, gy as i32, splits as i32, t, counters);
+        } else {
+            let gy = w.div_ceil(SHRINK_ROWS);
+            let grid = (tiles * gy * splits).min(SHRINK_BLOCKS) as u32;
+            launch!(self, self.k.lora_shrink, (grid, 1, 1), (256, 1, 1);
+                buf(x), a, gp, cap as i32, ranks, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, klen as i32, gy as i32, splits as i32, t, counters);
+        }
         self.mark("lora shrink");
-        Some(LoraLaunch { shape: sh, gp, cap, items, t: st.lora_t.ptr, b, ranks, scal })
     }
 
     /// `y += s_j · t · Bᵀ` for the shrink `l` launched (`y` a device address of `rows × out`

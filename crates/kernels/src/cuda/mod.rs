@@ -88,6 +88,8 @@ struct State {
     lora_counters: DevBuf,
     /// `rows × out` LoRA deltas computed beside a GEMM for its epilogue to add (lora.rs).
     lora_delta: DevBuf,
+    /// An expert site's packed groups of routed positions, built on the device (`lora_experts.rs`).
+    lora_expert_groups: DevBuf,
     /// A site's shrink computed in the RMSNorm before it, `[rows][n·R]` by position, and which
     /// call it is for (`lora_ahead.rs`).
     lora_ahead_t: DevBuf,
@@ -193,6 +195,7 @@ mod init;
 mod attention;
 mod lora;
 mod lora_ahead;
+mod lora_experts;
 mod lora_gemm;
 mod lora_pool;
 mod memory;
@@ -562,8 +565,12 @@ impl Device for CudaDevice {
     fn lora_tile_rows(&self) -> usize {
         lora::TILE_ROWS
     }
-    fn lora_experts_supported(&self) -> Result<(), String> {
-        Err("not on CUDA yet (the routing stays on the GPU and no grouped expert-LoRA kernel exists; the CPU device runs it)".into())
+    fn lora_experts_supported(&self, slots: usize, experts: usize) -> Result<(), String> {
+        self.lora_experts_check(slots, experts)
+    }
+
+    fn lora_experts(&self, call: &crate::LoraExpertCall<'_>, route: &MoeRouting, x: &Tensor, y: &mut Tensor) {
+        self.lora_experts_impl(call, route, x, y)
     }
 
     fn lora_apply(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {

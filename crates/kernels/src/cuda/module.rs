@@ -7,9 +7,9 @@ use cudarc::driver::{result, sys, CudaModule};
 use std::sync::Arc;
 use std::path::PathBuf;
 
-/// `kernels.cu`, `lora.cu`, `lora_ahead.cu`, `moe.cu` then `sample.cu`, one module (the later
+/// `kernels.cu`, `lora.cu`, `lora_ahead.cu`, `moe.cu`, `lora_experts.cu` then `sample.cu`, one module (the later
 /// files use the helpers of `kernels.cu`).
-pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("moe.cu"), include_str!("sample.cu"));
+pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("moe.cu"), include_str!("lora_experts.cu"), include_str!("sample.cu"));
 
 pub(super) struct Kernels {
     pub(super) f32_to_bf16: sys::CUfunction,
@@ -42,6 +42,8 @@ pub(super) struct Kernels {
     pub(super) lora_shrink_mma: sys::CUfunction,
     pub(super) lora_shrink_ids: sys::CUfunction,
     pub(super) lora_expand: sys::CUfunction,
+    /// The grouping of an MoE layer's routed positions by (adapter slot, expert) (`lora_experts.cu`).
+    pub(super) lora_expert_group: sys::CUfunction,
     /// RMSNorm fused with the next site's shrink (`lora_ahead.cu`), for slices of at most 256,
     /// 512 and 1024 inputs a block.
     pub(super) rms_norm_shrink: [sys::CUfunction; 3],
@@ -84,6 +86,7 @@ impl Kernels {
             lora_shrink_mma: f("lora_shrink_mma")?,
             lora_shrink_ids: f("lora_shrink_ids")?,
             lora_expand: f("lora_expand")?,
+            lora_expert_group: f("lora_expert_group")?,
             rms_norm_shrink: [f("rms_norm_shrink_1")?, f("rms_norm_shrink_2")?, f("rms_norm_shrink_4")?],
             sample_rows: f("sample_rows")?,
             resolve_drawn: f("resolve_drawn")?,

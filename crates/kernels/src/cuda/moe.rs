@@ -9,7 +9,7 @@ use super::{buf, grid1, row_threads, CudaDevice, DevBuf};
 use crate::moe::{expert_stack, ExpertData, ExpertWeights, MoeRouting, QkLayout, QkNorm, RouterSpec, RoutingData};
 use crate::{DType, Tensor, Weight};
 use anyhow::Result;
-use cudarc::driver::sys;
+use cudarc::driver::{result, sys};
 use std::ffi::c_void;
 
 /// Positions per tile (`MOE_TILE_M`) and output columns per block (`MOE_WARPS` ×
@@ -63,6 +63,12 @@ fn max_tiles(pairs: usize, e: usize) -> usize {
     pairs.div_ceil(TILE_M) + e
 }
 
+/// Device addresses of the routing's per-pair expert and grouped position, `[m·k]` each.
+pub(super) fn routing_pairs(route: &MoeRouting) -> (u64, u64) {
+    let d = dev(route);
+    (d.expert, d.pos_of)
+}
+
 fn dev(route: &MoeRouting) -> &DevRouting {
     match &route.data {
         RoutingData::Cuda(d) => d,
@@ -107,6 +113,12 @@ impl CudaDevice {
             at += (n * 4) as u64;
             p
         };
+        // Expert LoRA runs over every routed position: the LoRA scratch a step reserves holds
+        // top-k rows per token row.
+        {
+            let mut g = self.lora_geom.lock().unwrap();
+            g.pairs_per_row = g.pairs_per_row.max(spec.top_k);
+        }
         let d = DevRouting {
             expert: take(pairs),
             weight: take(pairs),
@@ -168,6 +180,30 @@ impl CudaDevice {
         let d = dev(route);
         launch!(self, self.moe_k.combine, (route.rows as u32, 1, 1), row_threads(dim); buf(y), d.weight, d.pos_of, buf(out), dim as i32, route.spec.top_k as i32);
         self.mark("moe combine");
+    }
+
+    /// The last routing of `route` read back to the host, after the work queued before it
+    /// (tests compare it with the CPU's; the order within an expert is the device's own).
+    pub fn read_routing(&self, route: &MoeRouting) -> crate::moe::HostRouting {
+        self.bind();
+        self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+        let d = dev(route);
+        let (n, e) = (route.rows * route.spec.top_k, route.spec.num_experts);
+        let words = |ptr: u64, len: usize| -> Vec<u32> {
+            let mut v = vec![0u32; len];
+            if len > 0 {
+                // SAFETY: the routing buffer holds at least `len` words at `ptr`; a blocking copy.
+                unsafe { result::memcpy_dtoh_sync(&mut v, ptr) }.unwrap_or_else(|err| panic!("routing read-back on {}: {err:?}", self.name));
+            }
+            v
+        };
+        crate::moe::HostRouting {
+            expert: words(d.expert, n),
+            weight: words(d.weight, n).into_iter().map(f32::from_bits).collect(),
+            offsets: words(d.offsets, e + 1),
+            row_of: words(d.row_of, n),
+            pos_of: words(d.pos_of, n),
+        }
     }
 
     pub(super) fn moe_add_sigmoid_gated(&self, out: &mut Tensor, x: &Tensor, gate: &Tensor, rows: usize, dim: usize) {
