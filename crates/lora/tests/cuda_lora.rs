@@ -44,18 +44,42 @@ fn cuda_graph_replay_follows_the_adapter_mix() {
     device_lora::shape_keyed_steps_follow_the_adapter_mix(cuda());
 }
 
-/// LoRA on MoE experts has no CUDA path yet (the routing stays on the GPU): a pool asked for
-/// expert sites on CUDA is refused, saying so, instead of failing mid-step.
+/// The CUDA device as a `Device`, and the routing read-back the expert checks compare by pair.
+fn cuda_with_routing() -> (Arc<dyn Device>, Arc<CudaDevice>) {
+    let d = Arc::new(CudaDevice::new(0).unwrap_or_else(|e| panic!("opening cuda:0: {e:#}")));
+    (d.clone(), d)
+}
+
+/// LoRA on MoE experts: the routed positions grouped by (adapter slot, expert) on the GPU, the
+/// dense shrink and expand over them, against the CPU reference on random routings and batches.
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
-fn expert_lora_pool_on_cuda_is_refused_saying_why() {
-    let moe = quiver_lora::MoeLoraDims { num_experts: 8, expert_intermediate: 64, shared_intermediate: 0, mixtral_names: false, moe_layers: u128::MAX };
+fn cuda_expert_lora_matches_cpu_reference() {
+    let (dev, cuda) = cuda_with_routing();
+    device_lora::experts::expert_lora_matches_cpu_reference(dev, &|r| cuda.read_routing(r), "cuda");
+}
+
+/// The same as a recorded step (a CUDA graph) replayed under other routings and adapter mixes.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn cuda_recorded_expert_steps_follow_routing_and_adapters() {
+    let (dev, cuda) = cuda_with_routing();
+    device_lora::experts::recorded_expert_steps_follow_routing_and_adapters(dev, &|r| cuda.read_routing(r));
+}
+
+/// Past the grouping's bound (slots × experts counters in shared memory) the pool is refused at
+/// start-up, naming the flag to lower, instead of failing mid-step.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn expert_lora_past_the_grouping_bound_is_refused_naming_the_flag() {
+    let moe = quiver_lora::MoeLoraDims { num_experts: 128, expert_intermediate: 64, shared_intermediate: 0, mixtral_names: false, moe_layers: u128::MAX };
     let dims = LoraModelDims { moe: Some(moe), ..device_lora::WIDE };
-    let cfg = LoraConfig { max_loras_per_batch: 2, max_lora_rank: 8, target_modules: LoraModule::MOE[..3].to_vec(), ..Default::default() };
-    let err = match LoraManager::new(dims, cfg, cuda()) {
-        Ok(_) => panic!("expert LoRA pool allocated on CUDA"),
+    let cfg = |slots| LoraConfig { max_loras_per_batch: slots, max_loaded_loras: slots, max_lora_rank: 4, target_modules: LoraModule::MOE[..3].to_vec(), ..Default::default() };
+    let err = match LoraManager::new(dims, cfg(65), cuda()) {
+        Ok(_) => panic!("65 slots x 128 experts accepted past the grouping's 8192 keys"),
         Err(e) => e.to_string(),
     };
-    assert!(err.contains("experts") && err.contains("CUDA"), "{err}");
-    println!("expert LoRA on CUDA refused: {err}");
+    assert!(err.contains("experts") && err.contains("--max-loras-per-batch") && err.contains("at most 64"), "{err}");
+    println!("expert LoRA past the bound refused: {err}");
+    LoraManager::new(dims, cfg(64), cuda()).unwrap_or_else(|e| panic!("64 slots x 128 experts (8192 keys) refused: {e}"));
 }

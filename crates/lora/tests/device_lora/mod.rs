@@ -8,6 +8,8 @@
 //! by `cuda_lora.rs` and `opencl_lora.rs`.
 #![allow(dead_code)]
 
+pub mod experts;
+
 use crate::common::*;
 use quiver_kernels::{open_device, AttnBatch, Device, DeviceKind, LoraX, Tensor};
 use quiver_lora::backend::ReferenceBackend;
