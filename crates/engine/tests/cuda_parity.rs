@@ -12,12 +12,15 @@
 //! - mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its shared expert) bf16 on CUDA vs
 //!   transformers float32, and concurrent MoE requests vs each alone;
 //! - a bare Qwen3 decoder's last-token embeddings, bf16 on CUDA through the engine, vs
-//!   transformers float32.
+//!   transformers float32;
+//! - LoRA on MoE experts: the CPU suite's tiny MoE models and PEFT expert adapters
+//!   (`scripts/reference_moe_lora.py`, under `$QUIVER_CACHE/ref`: see `moe_expert_adapters_on_cuda`),
+//!   f32 weights on CUDA, against PEFT float32.
 #![cfg(feature = "cuda")]
 
 mod common;
 
-use common::{alone, gpu_data_dir, max_logprob_delta, oracle_manager, prompt, top20_case, RefCase, RefFile};
+use common::{alone, check_mixed, gpu_data_dir, max_logprob_delta, oracle_manager, prompt, require, top20_case, RefCase, RefFile};
 use quiver_engine::testing::{temp_dir, write_random_adapter};
 use quiver_engine::{BaseOnly, Engine, EngineConfig, GenerateRequest, Generator};
 use quiver_kernels::{open_device, DType, DeviceKind};
@@ -357,4 +360,76 @@ fn embeddings_bf16_on_cuda_match_transformers() {
     }
     h.shutdown_and_join();
     assert!(worst >= 0.999, "worst cosine {worst} < 0.999 (bf16 weights and KV against float32)");
+}
+
+// ---- LoRA on MoE experts (the CPU suite's tiny models and PEFT adapters) ----------------------
+
+/// The tiny MoE model `model` of the CPU suite with its PEFT `adapters` (per-expert modules,
+/// `target_parameters` on the fused experts, a shared expert, Mixtral's names), f32 weights on
+/// CUDA (the KV cache and the LoRA pool bf16): every case of every adapter with base rows in one
+/// batched forward, each row's logprobs within TOL of PEFT's (where the adapter moves them by
+/// 4 to 14 nats from the base model: asserted, so a missing delta cannot pass); then each
+/// adapter's greedy continuations through single-row decode steps (recorded as graphs, expert
+/// LoRA included), identical but for near-ties as in the dense test.
+fn moe_expert_adapters_on_cuda(model: &str, adapters: &[&str]) {
+    let path = require(&format!("ref/models/{model}"));
+    let lm = load_model(&path, open_device(DeviceKind::Cuda(0)).unwrap_or_else(|e| panic!("{e:#}")), DType::F32).unwrap_or_else(|e| panic!("loading {}: {e:#}", path.display()));
+    let m = &lm.model;
+    let vocab = m.config.vocab_size;
+    let targets = LoraModule::ALL.iter().chain(&LoraModule::MOE).copied().collect();
+    let cfg = LoraConfig { max_loras_per_batch: 4, max_lora_rank: 16, target_modules: targets, ..Default::default() };
+    let mut mgr = LoraManager::new(m.lora_dims(), cfg, m.device.clone()).unwrap_or_else(|e| panic!("{model}: expert LoRA pool on CUDA: {e}"));
+    let keys: Vec<AdapterKey> = adapters.iter().map(|a| mgr.load_adapter(a, require(&format!("ref/adapters/{a}"))).unwrap_or_else(|e| panic!("{a}: {e}"))).collect();
+    let refs: Vec<RefFile> = adapters.iter().map(|a| common::read_ref(&format!("ref/ref/{a}.json"))).collect();
+    let base = common::read_ref(&format!("ref/ref/{model}.json"));
+    // The adapters' own effect: the base model on CUDA against each adapter's reference.
+    let mut g = Generator::new(m, 1024);
+    for (a, r) in adapters.iter().zip(&refs) {
+        for c in &r.cases {
+            let mut all = c.prompt_ids.clone();
+            all.extend(&c.continuation_ids);
+            let (d, _) = max_logprob_delta(c, &g.score(&all, &mut BaseOnly).unwrap(), vocab);
+            eprintln!("{model} {a} {}: the base model is {d:.2} from the adapter's reference", c.name);
+            assert!(d >= 10.0 * TOL, "{model} {a} {}: the adapter moves logprobs by only {d} (the check below would not see a missing delta)", c.name);
+        }
+    }
+    drop(g);
+    let mut seqs = Vec::new();
+    for (i, r) in refs.iter().enumerate() {
+        for c in &r.cases {
+            seqs.push((Some(keys[i]), c, adapters[i]));
+        }
+        seqs.push((None, &base.cases[i % base.cases.len()], "base"));
+    }
+    check_mixed(m, &mut mgr, &seqs, TOL);
+    for (i, r) in refs.iter().enumerate() {
+        let mut same = 0;
+        for c in &r.cases {
+            let got = alone(m, Some((&mut mgr, keys[i])), &c.prompt_ids, c.continuation_ids.len(), &[]);
+            match first_divergence(&got, &c.continuation_ids) {
+                None => same += 1,
+                Some(p) => eprintln!("{model} {}: {}: greedy diverges from PEFT at token {p}", adapters[i], c.name),
+            }
+        }
+        eprintln!("{model} {}: greedy identical to PEFT {same}/{}", adapters[i], r.cases.len());
+        assert!(same * 8 >= r.cases.len() * 7, "{model} {}: greedy identical in only {same}/{}", adapters[i], r.cases.len());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and the CPU suite's MoE references under $QUIVER_CACHE/ref"]
+fn moe_expert_adapters_on_cuda_match_peft_qwen3moe() {
+    moe_expert_adapters_on_cuda("tiny-qwen3moe", &["qwen3moe-attn-r8", "qwen3moe-experts-r8", "qwen3moe-params-r8"]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and the CPU suite's MoE references under $QUIVER_CACHE/ref"]
+fn moe_expert_adapters_on_cuda_match_peft_qwen2moe_shared_expert() {
+    moe_expert_adapters_on_cuda("tiny-qwen2moe", &["qwen2moe-all-r8-rslora"]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and the CPU suite's MoE references under $QUIVER_CACHE/ref"]
+fn moe_expert_adapters_on_cuda_match_peft_mixtral() {
+    moe_expert_adapters_on_cuda("tiny-mixtral", &["mixtral-experts-r4"]);
 }
