@@ -378,6 +378,11 @@ fn embeddings_bf16_on_cuda_match_transformers() {
 /// 4 to 14 nats from the base model: asserted, so a missing delta cannot pass); then each
 /// adapter's greedy continuations through single-row decode steps (recorded as graphs, expert
 /// LoRA included), identical but for near-ties as in the dense test.
+///
+/// The files, under `$QUIVER_CACHE` (`make test-data`; ~30 MB a model, the tokenizer.model files
+/// beside them are not read): `ref/models/<model>/{config.json, model.safetensors,
+/// tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json,
+/// chat_template.jinja}`, `ref/adapters/<adapter>/` and `ref/ref/{<adapter>, <model>}.json`.
 fn moe_expert_adapters_on_cuda(model: &str, adapters: &[&str]) {
     let path = require(&format!("ref/models/{model}"));
     let lm = load_model(&path, open_device(DeviceKind::Cuda(0)).unwrap_or_else(|e| panic!("{e:#}")), DType::F32).unwrap_or_else(|e| panic!("loading {}: {e:#}", path.display()));
