@@ -137,7 +137,8 @@ impl LogitEdits {
     pub fn row(&mut self, row: u32) -> RowEdits<'_> {
         debug_assert!(!self.has_row(row), "logits row {row} edited twice in one step");
         self.rows.push(EditRow::new(row));
-        RowEdits { e: self }
+        let start = self.arena.len();
+        RowEdits { e: self, start }
     }
 
     /// Words of the packed upload: every header, then the arena.
@@ -200,6 +201,8 @@ pub fn apply_row(l: &mut [f32], r: &EditRow, arena: &[u32]) {
 /// The edits of one row being written ([`LogitEdits::row`]); each list is set at most once.
 pub struct RowEdits<'a> {
     e: &'a mut LogitEdits,
+    /// Where the row's lists begin in the arena.
+    start: usize,
 }
 
 impl RowEdits<'_> {
@@ -261,6 +264,51 @@ impl RowEdits<'_> {
         let at = self.header().mask as usize;
         &mut self.e.arena[at..at + n]
     }
+
+    /// Disallows every token not in `ids` (ascending, below the vocabulary).
+    pub fn allow_only(&mut self, ids: &[u32]) -> &mut Self {
+        let mut k = 0;
+        for (w, word) in self.mask().iter_mut().enumerate() {
+            let mut keep = 0u32;
+            while k < ids.len() && ids[k] as usize / 32 == w {
+                keep |= 1 << (ids[k] % 32);
+                k += 1;
+            }
+            *word &= keep;
+        }
+        self
+    }
+
+    /// Disallows every token whose bit is clear in `bits`, a bitmask of `len` tokens; tokens
+    /// from `len` on too (a grammar's mask over a vocabulary shorter than the logits row).
+    pub fn allow_mask(&mut self, bits: &[u32], len: usize) -> &mut Self {
+        for (w, word) in self.mask().iter_mut().enumerate() {
+            let valid = len.saturating_sub(w * 32).min(32);
+            let in_len = if valid == 32 { u32::MAX } else { (1u32 << valid) - 1 };
+            *word &= bits.get(w).copied().unwrap_or(0) & in_len;
+        }
+        self
+    }
+
+    /// Whether some token of the vocabulary is neither masked out nor banned: on finite logits,
+    /// whether the draw has a finite choice.
+    pub fn any_allowed(&mut self) -> bool {
+        let vocab = self.e.vocab;
+        let h = *self.header();
+        let banned = list(&self.e.arena, h.banned, 1);
+        let allowed = |t: usize| t < vocab && !banned.contains(&(t as u32));
+        if h.mask == NO_MASK {
+            return (0..vocab).any(allowed);
+        }
+        let mask = &self.e.arena[h.mask as usize..h.mask as usize + mask_words(vocab)];
+        mask.iter().enumerate().any(|(w, &bits)| bits != 0 && (0..32).any(|b| bits >> b & 1 != 0 && allowed(w * 32 + b)))
+    }
+
+    /// Drops the row's edits (it will not be drawn).
+    pub fn cancel(self) {
+        self.e.rows.pop();
+        self.e.arena.truncate(self.start);
+    }
 }
 
 #[cfg(test)]
@@ -294,5 +342,24 @@ mod tests {
         assert_eq!(packed[ROW_WORDS], 0);
         assert_eq!(packed[2 * ROW_WORDS..], e.arena()[..]);
         assert!(e.has_row(0) && e.has_row(1) && !e.has_row(2));
+    }
+
+    #[test]
+    fn allowed_ids_and_masks_intersect_and_a_banned_rest_is_seen() {
+        let mut e = LogitEdits::new();
+        e.clear(70);
+        let mut r = e.row(0);
+        r.allow_only(&[1, 33, 40, 69]);
+        // A grammar's mask of 64 tokens: 69 is past it, 40 is not in it.
+        r.allow_mask(&[1 << 1, 1 << 1 | 1 << 2], 64);
+        assert_eq!(r.mask(), &[1 << 1, 1 << 1, 0]);
+        assert!(r.any_allowed());
+        r.ban([1, 33].into_iter());
+        assert!(!r.any_allowed(), "every token the mask allows is banned");
+        r.cancel();
+        assert!(e.is_empty() && e.arena().is_empty());
+        let mut r = e.row(3);
+        r.ban([0, 1].into_iter());
+        assert!(r.any_allowed());
     }
 }
