@@ -225,6 +225,12 @@ pub struct EngineStats {
     /// Steps whose draws were still in flight when the next step was queued (overlapped
     /// scheduling); the others ran to their end first.
     pub overlapped_steps: u64,
+    /// Steps whose logits came to the host (only to score prompt rows: every draw, edited or
+    /// not, happens on the model's device).
+    pub logits_to_host_steps: u64,
+    /// Logits rows edited on the device before their draw (penalties, logit bias, allowed
+    /// ids, a `min_tokens` ban, a grammar's mask); a fork's samples share their first row.
+    pub edited_rows: u64,
 }
 
 /// Engine internals for leak checks and diagnostics (a round trip to the engine thread).

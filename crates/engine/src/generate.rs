@@ -114,6 +114,13 @@ impl<'m> Generator<'m> {
         &self.ws.host_logits[..n]
     }
 
+    /// Runs `tokens` at positions `start..` after the context run so far and returns the last
+    /// one's logits: one step of a caller's own decoding loop (the oracle tests write for the
+    /// engine's draws).
+    pub fn logits_after(&mut self, tokens: &[u32], start: usize, lora: &mut dyn StepLora) -> &[f32] {
+        self.step(tokens, start, LogitsFor::Last, lora)
+    }
+
     /// Logits at every position of `tokens` (teacher forcing), `[len, vocab]`.
     pub fn score(&mut self, tokens: &[u32], lora: &mut dyn StepLora) -> anyhow::Result<Vec<f32>> {
         anyhow::ensure!(tokens.len() <= self.max_ctx, "{} tokens exceed the context of {}", tokens.len(), self.max_ctx);

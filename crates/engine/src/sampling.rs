@@ -3,6 +3,7 @@
 //! Each request owns its RNG (seeded from its own seed), so its samples do not depend on what
 //! else is in the batch.
 
+use quiver_kernels::logit_edits::RowEdits;
 use quiver_kernels::sample::SampleSpec;
 use serde::{Deserialize, Serialize};
 
@@ -88,11 +89,26 @@ impl Sampler {
         &self.params
     }
 
-    /// Whether the logits must be changed on the host before a draw (bias, allowed ids,
-    /// penalties).
-    pub fn needs_host(&self) -> bool {
+    /// Whether the logits must be edited before a draw (bias, allowed ids, penalties).
+    pub fn needs_edits(&self) -> bool {
         let p = &self.params;
         !p.logit_bias.is_empty() || !p.allowed_token_ids.is_empty() || p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
+    }
+
+    /// Writes what [`Self::apply_penalties`] does as a row's logit edits, the device op's form
+    /// (the same results bit for bit: `quiver_kernels::logit_edits`).
+    pub fn push_edits(&self, e: &mut RowEdits<'_>) {
+        let p = &self.params;
+        e.bias(&p.logit_bias);
+        if !p.allowed_token_ids.is_empty() {
+            e.allow_only(&p.allowed_token_ids);
+        }
+        if p.repetition_penalty != 1.0 {
+            e.repetition(p.repetition_penalty, self.seen.iter().copied());
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            e.presence_frequency(p.presence_penalty, p.frequency_penalty, self.out_counts.iter().map(|(&t, &c)| (t, c)));
+        }
     }
 
     /// The next draw as a device op: from logits row `row`, with `logprobs` alternatives
@@ -125,7 +141,8 @@ impl Sampler {
     }
 
     /// Applies penalties and the logit bias to `logits` in place (used for sampling and for
-    /// reported logprobs alike, as vLLM's logits processors were).
+    /// reported logprobs alike, as vLLM's logits processors were): the host path of the
+    /// single-sequence `Generator`, and the reference of [`Self::push_edits`].
     pub fn apply_penalties(&self, logits: &mut [f32]) {
         let p = &self.params;
         for &(t, b) in &p.logit_bias {

@@ -1,12 +1,12 @@
 //! Structured output: a request's constraint (JSON schema, any JSON object, regex, a fixed
-//! choice, a Lark grammar) compiled by llguidance into a per-sequence matcher that masks the
-//! row's logits before sampling and advances on the drawn token. Only that row is touched;
-//! unconstrained rows in the same step never see a grammar.
+//! choice, a Lark grammar) compiled by llguidance into a per-sequence matcher whose mask of
+//! allowed tokens goes into the row's logit edits before the draw (applied on the model's
+//! device: `quiver_kernels::logit_edits`) and which advances on the drawn token. Only that row
+//! is touched; unconstrained rows in the same step never see a grammar.
 //!
 //! llguidance computes each mask lazily over a token trie of the vocabulary (about 20 µs a
-//! token on SmolLM2's 49k vocabulary, BENCHMARKS.md), so masks are computed at sampling time
-//! on the engine thread: against a decode step of milliseconds there is nothing to gain from
-//! moving them to another thread that would compete with the forward pass for the same cores.
+//! token on SmolLM2's 49k vocabulary, BENCHMARKS.md), so masks are computed on the host while
+//! the device runs the forward pass, once the previous token is known (`engine/draw.rs`).
 
 use std::sync::Arc;
 
@@ -159,13 +159,20 @@ impl Guide {
         Guide { matcher: self.matcher.deep_clone(), ready: None }
     }
 
-    /// Sets every token the grammar does not allow next to -inf. Err: the grammar is at a
-    /// dead end (an error state, or no token can continue).
+    /// The tokens the grammar allows next (computed ahead by [`Self::prepare`], or now): for
+    /// the draw's logit edits. Err: the grammar is in an error state.
+    pub fn next_mask(&mut self) -> Result<toktrie::SimpleVob, String> {
+        match self.ready.take() {
+            Some(m) => m,
+            None => self.matcher.compute_mask_or_eos().map_err(|e| format!("{e:#}")),
+        }
+    }
+
+    /// Sets every token the grammar does not allow next to -inf (the host's form of the mask
+    /// the engine's draws apply on the device). Err: the grammar is at a dead end (an error
+    /// state, or no token can continue).
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        let mask = match self.ready.take() {
-            Some(m) => m?,
-            None => self.matcher.compute_mask_or_eos().map_err(|e| format!("{e:#}"))?,
-        };
+        let mask = self.next_mask()?;
         let n = logits.len();
         // Word-wise over the bitset: runs of allowed tokens cost one test per 32.
         mask.iter_unset_entries(|t| {

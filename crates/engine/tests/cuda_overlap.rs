@@ -8,9 +8,14 @@
 //!   engine with overlap on and one with it off: identical tokens and logprobs (on CUDA a
 //!   different batch shape may round bf16 GEMMs differently, so the mix keeps the shapes equal
 //!   rather than tolerating near-ties);
+//!   Some rows have logit edits (repetition, presence and frequency penalties, a logit bias,
+//!   allowed ids, a `min_tokens` ban on a stop id), applied on the GPU before their draws, none
+//!   of which can end a row early (that would change the next step's shape only with overlap);
 //! - then, with overlap on, a third of them cancelled mid-stream while the rest run: nothing
 //!   after a cancel took effect, token counts equal to what each stream showed, every block
-//!   and request freed.
+//!   and request freed;
+//! - then regex and JSON-schema requests beside plain ones, overlapped: every constrained
+//!   output complete and matching its grammar. No step of any of it brought logits to the host.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -63,7 +68,7 @@ fn overlap_on_equals_off_on_cuda() {
         .collect();
     let count = 32;
     let reqs: Vec<GenerateRequest> = (0..count)
-        .map(|i| GenerateRequest {
+        .map(|i| (i, GenerateRequest {
             prompt: prompt(3000 + i as u64, [3usize, 9, 17, 30, 41, 64, 100][i % 7] + i % 5, vocab),
             adapter: (i % 5).checked_sub(1).map(|a| format!("a{a}")),
             sampling: match i % 3 {
@@ -76,15 +81,21 @@ fn overlap_on_equals_off_on_cuda() {
             logprobs: Some(5),
             n: if i % 11 == 5 { 2 } else { 1 },
             ..Default::default()
+        }))
+        .map(|(i, mut r)| {
+            with_edits(&mut r, i, vocab);
+            r
         })
         .collect();
     let off = start(lm, false, &adapters);
     let want = run(&off, &reqs, &vec![None; count]);
+    assert_edited_on_device("cuda, overlap off", &off);
     off.shutdown_and_join();
     let on = start(llama_gpu(), true, &adapters);
     let got = run(&on, &reqs, &vec![None; count]);
     assert_overlapped("cuda", &on.stats());
     assert_same("cuda", &got, &want);
+    assert_edited_on_device("cuda, overlap on", &on);
     eprintln!("cuda overlap: {count} requests identical with overlap on and off");
 
     // Cancellations while the rest run (their batch shapes now differ from `want`'s, so only
@@ -103,5 +114,76 @@ fn overlap_on_equals_off_on_cuda() {
         }
     }
     assert_idle(&on);
+    grammars_hold_when_overlapped(&on, vocab);
+    assert_edited_on_device("cuda, grammars", &on);
     on.shutdown_and_join();
+}
+
+/// Logit edits on request `i` of the mix: none can end it before `max_tokens`.
+fn with_edits(r: &mut GenerateRequest, i: usize, vocab: usize) {
+    let t = r.prompt[0];
+    match i % 6 {
+        1 => {
+            r.sampling.repetition_penalty = 1.3;
+            r.sampling.logit_bias = vec![(t, 2.5), ((t + 1) % vocab as u32, -3.0)];
+        }
+        3 => (r.sampling.presence_penalty, r.sampling.frequency_penalty) = (0.5, 0.4),
+        4 => r.sampling.allowed_token_ids = (100..600).collect(),
+        5 => {
+            // Banned every step: it never ends the row.
+            r.stop_token_ids = vec![t];
+            r.min_tokens = r.max_tokens;
+        }
+        _ => {}
+    }
+}
+
+/// Every draw of `h` so far happened on the device, edited rows included.
+fn assert_edited_on_device(label: &str, h: &EngineHandle) {
+    let st = h.stats();
+    eprintln!("{label}: {} rows edited on the device, {} steps brought logits to the host", st.edited_rows, st.logits_to_host_steps);
+    assert!(st.edited_rows > 0 && st.logits_to_host_steps == 0, "{label}: {st:?}");
+}
+
+/// Regex and JSON-schema requests (greedy, seeded, `n > 1`) beside plain ones through `h`
+/// (overlap on): each constrained sample completes its grammar within `max_tokens`. The
+/// grammar's mask for a step is made once the previous token is known, as the draws overlap.
+fn grammars_hold_when_overlapped(h: &EngineHandle, vocab: usize) {
+    use quiver_engine::Constraint;
+    let re = "[0-9]{3}-[a-z]{4}";
+    let schema = serde_json::json!({"type": "object", "properties": {"ok": {"type": "boolean"}, "pick": {"enum": ["left", "right"]}}, "required": ["ok", "pick"]});
+    let reqs: Vec<GenerateRequest> = (0..16)
+        .map(|i| GenerateRequest {
+            prompt: prompt(7000 + i as u64, 5 + i % 9, vocab),
+            sampling: if i % 2 == 0 { SamplingParams::default() } else { SamplingParams { temperature: 0.9, top_k: 50, seed: Some(i as u64), presence_penalty: 0.3, ..Default::default() } },
+            constraint: match i % 4 {
+                0 => Some(Constraint::Regex(re.into())),
+                1 => Some(Constraint::JsonSchema(schema.clone())),
+                2 => None,
+                _ => Some(Constraint::Choice(vec!["alpha".into(), "beta gamma".into()])),
+            },
+            max_tokens: 64,
+            ignore_eos: true,
+            n: if i == 5 { 3 } else { 1 },
+            ..Default::default()
+        })
+        .collect();
+    let got = run(h, &reqs, &vec![None; reqs.len()]);
+    let re = regex::Regex::new(&format!("^{re}$")).unwrap();
+    for (i, (r, g)) in reqs.iter().zip(&got).enumerate() {
+        for x in &g.samples {
+            let Some(c) = &r.constraint else { continue };
+            assert_eq!(x.finish.as_ref().map(|f| f.0), Some(FinishReason::Stop), "request {i}: the grammar completes: {:?}", x.text);
+            match c {
+                Constraint::Regex(_) => assert!(re.is_match(&x.text), "request {i}: {:?}", x.text),
+                Constraint::JsonSchema(_) => {
+                    let v: serde_json::Value = serde_json::from_str(&x.text).unwrap_or_else(|e| panic!("request {i}: {:?}: {e}", x.text));
+                    assert!(v["ok"].is_boolean() && (v["pick"] == "left" || v["pick"] == "right"), "request {i}: {v}");
+                }
+                _ => assert!(x.text == "alpha" || x.text == "beta gamma", "request {i}: {:?}", x.text),
+            }
+        }
+    }
+    assert_overlapped("cuda, grammars", &h.stats());
+    assert_idle(h);
 }

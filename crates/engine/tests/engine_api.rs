@@ -81,13 +81,13 @@ fn logprobs_and_seeded_sampling_independent_of_batch() {
         assert_eq!(n3.finish[i], Some(FinishReason::Length));
     }
     assert!(n3.tokens[0] != n3.tokens[1] || n3.tokens[1] != n3.tokens[2], "different seeds should differ");
-    // A zero logit bias changes no logit but makes the row draw on the host (after copying the
-    // logits down) instead of through the device op: both follow one semantics.
+    // A zero logit bias changes no logit but sends the row through the logit edits op before
+    // its draw: the draw is the same.
     for seed in [1u64, 2, 3] {
         let params = SamplingParams { temperature: 1.5, top_k: 20, top_p: 0.9, min_p: 0.02, seed: Some(seed), ..Default::default() };
         let device = h.submit(GenerateRequest { sampling: params.clone(), logprobs: Some(2), ..greedy(p.clone(), 12) }).unwrap().collect_blocking();
         let host = h.submit(GenerateRequest { sampling: SamplingParams { logit_bias: vec![(0, 0.0)], ..params }, logprobs: Some(2), ..greedy(p.clone(), 12) }).unwrap().collect_blocking();
-        assert_eq!(device.tokens, host.tokens, "seed {seed}: device and host draws");
+        assert_eq!(device.tokens, host.tokens, "seed {seed}: plain and edited rows' draws");
         for (a, b) in device.logprobs[0].iter().zip(&host.logprobs[0]) {
             assert!((a.logprob - b.logprob).abs() < 1e-6 && a.rank == b.rank && a.top.iter().map(|t| t.0).eq(b.top.iter().map(|t| t.0)), "{a:?} vs {b:?}");
         }

@@ -15,6 +15,7 @@ pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod logit_edits;
 pub mod lora;
 pub mod moe;
 pub mod opencl;
@@ -358,6 +359,12 @@ pub trait Device: Send + Sync {
     /// behind the draw, and returns `ids`. The ops of the step then take the returned slice.
     fn resolve_drawn<'a>(&self, ids: &'a [u32], resolved: &'a mut Vec<u32>) -> &'a [u32] {
         self.host_draws().expect(NO_HOST_DRAWS).resolve(ids, resolved)
+    }
+    /// Applies a step's [`logit_edits::LogitEdits`] (penalties, logit bias, bans, allowed-token
+    /// masks) to their rows of `logits` (`[rows, vocab]`, `edits.vocab()` wide) in place, queued
+    /// like any op, before the draws that read them. The default edits host memory (the CPU).
+    fn edit_logits(&self, logits: &mut Tensor, edits: &logit_edits::LogitEdits) {
+        edits.apply_host(logits.as_cpu_mut());
     }
     /// Where a device that draws on the host keeps its draws between launch and collect (the
     /// defaults of the three ops above use it); `None` for a device that overrides them.

@@ -37,6 +37,14 @@ fn drawn_ids_resolve_to_the_last_draws() {
     device_kernels::drawn_ids_resolve_to_the_last_draws(&gpu());
 }
 
+/// Penalties, bias, bans and masks on the GPU, bit for bit the engine's old host path (the
+/// roundings are explicit in logit_edits.cu), and the draws that follow them.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn logit_edits_match_the_host_path() {
+    device_kernels::logit_edits::logit_edits_match_the_host_path(&gpu());
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn norms_and_elementwise_match_cpu() {

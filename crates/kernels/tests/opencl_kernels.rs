@@ -40,6 +40,11 @@ fn drawn_ids_resolve_to_the_last_draws() {
 }
 
 #[test]
+fn logit_edits_match_the_host_path() {
+    device_kernels::logit_edits::logit_edits_match_the_host_path(&testing::device(KernelSet::Portable));
+}
+
+#[test]
 fn norms_and_elementwise_match_cpu() {
     device_kernels::norms_and_elementwise_match_cpu(&testing::device(KernelSet::Portable));
 }

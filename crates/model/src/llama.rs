@@ -266,6 +266,13 @@ impl LlamaModel {
         &ws.host_logits[..n]
     }
 
+    /// Applies `edits` (penalties, logit bias, bans, allowed-token masks) to the last step's
+    /// logits in place, on the model's device, before the draws that read them.
+    pub fn edit_logits(&self, ws: &mut Workspace, edits: &quiver_kernels::logit_edits::LogitEdits) {
+        debug_assert_eq!(edits.vocab(), self.config.vocab_size);
+        self.device.edit_logits(&mut ws.logits, edits);
+    }
+
     /// Draws the tokens `specs` ask for from the last step's logits, on the model's device.
     pub fn sample(&self, ws: &Workspace, specs: &[quiver_kernels::sample::SampleSpec], out: &mut [quiver_kernels::sample::SampleOut]) {
         self.device.sample(&ws.logits, self.config.vocab_size, specs, out);

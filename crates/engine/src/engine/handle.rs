@@ -20,8 +20,11 @@ impl EngineHandle {
 
     /// Queues a request. Fails at once (nothing queued) on invalid input, an unknown adapter
     /// (a name still loading is accepted and waits), a full queue, or shutdown.
-    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, SubmitError> {
+    pub fn submit(&self, mut req: GenerateRequest) -> Result<RequestStream, SubmitError> {
         let sh = &self.inner.shared;
+        // The draw's mask is built from the ids in order.
+        req.sampling.allowed_token_ids.sort_unstable();
+        req.sampling.allowed_token_ids.dedup();
         if sh.embedding.is_some() {
             return Err(SubmitError::Invalid("this server serves embeddings (--task embed): use /v1/embeddings".into()));
         }

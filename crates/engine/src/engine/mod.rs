@@ -42,6 +42,7 @@ use crate::kv::{BlockId, BlockPool, Parent};
 use crate::sampling::{self, Sampler, SamplingParams};
 use crate::structured::{Grammars, Guide};
 use crate::text::{Detok, StopScan};
+use quiver_kernels::logit_edits::LogitEdits;
 use quiver_kernels::sample::{SampleOut, SampleSpec};
 use quiver_lora::adapter::FileStamp;
 use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraError, LoraHook, LoraManager, LoraModelDims, LoraModule, NoLora, ReadLimits};
@@ -70,11 +71,11 @@ mod step;
 use adapters::{loader_loop, Loader, LoaderJob};
 use embed::{EmbedJob, EmbedState};
 
-/// A draw made on the host (see `Core::draws_on_device`).
-const HOST_DRAW: u32 = u32::MAX;
+/// A draw not given a device spec (yet, or at all: its grammar reached a dead end).
+const NO_SPEC: u32 = u32::MAX;
 
 /// One token to draw this step: the sequence (and its `uid`, so a slot reused since is never
-/// mistaken for it), the logits row, and its index among the device's specs or `HOST_DRAW`.
+/// mistaken for it), the logits row, and its index among the device's specs or `NO_SPEC`.
 #[derive(Clone, Copy)]
 struct Draw {
     seq: usize,
@@ -300,8 +301,7 @@ impl Engine {
             seq_adapters: Vec::new(),
             keys_buf: Vec::new(),
             match_buf: Vec::new(),
-            host_rows: Vec::new(),
-            host_drawn: Vec::new(),
+            edits: LogitEdits::new(),
             to_sample: Vec::new(),
             prompt_rows: Vec::new(),
             in_flight: Vec::new(),
@@ -394,6 +394,8 @@ struct Counters {
     generated: u64,
     prefill_tokens: u64,
     overlapped_steps: u64,
+    logits_to_host_steps: u64,
+    edited_rows: u64,
 }
 
 struct Core {
@@ -430,9 +432,8 @@ struct Core {
     seq_adapters: Vec<Option<AdapterKey>>,
     keys_buf: Vec<Option<AdapterKey>>,
     match_buf: Vec<BlockId>,
-    /// This step's host draws: (sequence, logits row), then their outcomes (`draw.rs`).
-    host_rows: Vec<(usize, usize)>,
-    host_drawn: Vec<(usize, draw::HostDraw)>,
+    /// This step's logit edits, applied on the device before its draws (`draw.rs`).
+    edits: LogitEdits,
     /// This step's draws, and its prompt rows that score or end a prompt.
     to_sample: Vec<Draw>,
     prompt_rows: Vec<PromptRows>,

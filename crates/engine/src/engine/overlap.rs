@@ -29,10 +29,16 @@
 //! - The seeded draw counter advances at launch: the next step's spec counts the draw in flight.
 //! - A preempted sequence may hold a `DRAWN` id in the waiting queue; nothing is admitted in a
 //!   step that preempted, and the id is resolved before the next schedule.
-//! - Rows that need the host before their draw (penalties, logit bias, allowed ids, a
-//!   `min_tokens` ban, a grammar mask, prompt logprobs) make their step synchronous: its
-//!   forward is still queued before N's tokens are accepted, but its own draws are collected
-//!   before it ends (`Core::draw_now`). Embedding engines never overlap.
+//! - Rows with logit edits (penalties, logit bias, allowed ids, a `min_tokens` ban, a grammar's
+//!   mask) overlap like any other. Their edits for N+1 depend on N's token (the counts, the
+//!   number generated, the grammar's state), so they are made after N's draws are collected
+//!   and accepted, the grammar advanced by its token first (`accept_sampled`), while N+1's
+//!   forward runs: only N+1's draw, queued after its edits, waits for them (as vLLM computes
+//!   step N+1's grammar bitmask once N's token is known). N+1's forward itself never depends
+//!   on them, so no row needs to be held back.
+//! - A step that scores prompt rows (prompt logprobs: the only logits that come to the host)
+//!   is synchronous: its forward is still queued before N's tokens are accepted, but its own
+//!   draws are collected before it ends (`Core::draw_now`). Embedding engines never overlap.
 
 use super::*;
 use quiver_kernels::sample::DRAWN;

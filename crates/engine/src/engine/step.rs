@@ -110,7 +110,7 @@ impl Core {
 
     /// The scheduled rows are computed (queued on the device: nothing here reads their
     /// results). Decode rows go to `to_sample`; prompt rows that score prompt tokens or end the
-    /// prompt to `prompt_rows`, handled once the logits are known to be needed on the host.
+    /// prompt to `prompt_rows`, handled in `draw` (scored rows need the logits on the host).
     fn commit_rows(&mut self) {
         let mut row = 0;
         self.to_sample.clear();
@@ -129,7 +129,7 @@ impl Core {
             if scored || (wants_token && start + chunk <= prompt_len) {
                 self.prompt_rows.push(PromptRows { seq: si, row, start, end: start + chunk, scored, wants_token });
             } else if wants_token {
-                self.to_sample.push(Draw { seq: si, uid, row, spec: HOST_DRAW });
+                self.to_sample.push(Draw { seq: si, uid, row, spec: NO_SPEC });
             }
             row += if scored { chunk } else { usize::from(wants_token) };
         }
@@ -277,6 +277,8 @@ impl Core {
         st.generated_tokens = self.counters.generated;
         st.prefill_tokens = self.counters.prefill_tokens;
         st.overlapped_steps = self.counters.overlapped_steps;
+        st.logits_to_host_steps = self.counters.logits_to_host_steps;
+        st.edited_rows = self.counters.edited_rows;
         st.running = 0;
         st.waiting = 0;
         for a in st.per_adapter.iter_mut() {

@@ -114,6 +114,7 @@ impl CudaDevice {
             lora_geom: Mutex::new(lora::LoraGeometry::default()),
             recording: Default::default(),
             draws: Mutex::new(Default::default()),
+            logit_edits: Mutex::new(None),
             lora_fill_scratch: Mutex::new((Vec::new(), Vec::new())),
             lora_side: lora::SideStream::new(profiler_on)?,
             on_side: Default::default(),

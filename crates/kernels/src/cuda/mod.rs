@@ -139,6 +139,8 @@ pub struct CudaDevice {
     recording: std::sync::atomic::AtomicBool,
     /// Sampling's last launch, its specs and results (see `sample.rs`).
     draws: Mutex<sample::Draws>,
+    /// The buffers of the logit edits before a draw (see `logit_edits.rs`).
+    logit_edits: Mutex<Option<logit_edits::EditBufs>>,
     /// f32 A and Bᵀ of the LoRA slot being written into an image (reused: no page faults per site).
     lora_fill_scratch: Mutex<(Vec<f32>, Vec<f32>)>,
     /// The stream LoRA shrinks run on beside their site's GEMM (`lora::SideStream`), and
@@ -193,6 +195,7 @@ mod gemm;
 mod graphs;
 mod init;
 mod attention;
+mod logit_edits;
 mod lora;
 mod lora_ahead;
 mod lora_experts;
@@ -377,6 +380,10 @@ impl Device for CudaDevice {
 
     fn resolve_drawn<'a>(&self, ids: &'a [u32], _resolved: &'a mut Vec<u32>) -> &'a [u32] {
         self.resolve_drawn_impl(ids)
+    }
+
+    fn edit_logits(&self, logits: &mut Tensor, edits: &crate::logit_edits::LogitEdits) {
+        self.edit_logits_impl(logits, edits)
     }
 
     fn upload(&self, data: &[f32], t: &mut Tensor) {

@@ -7,9 +7,9 @@ use cudarc::driver::{result, sys, CudaModule};
 use std::sync::Arc;
 use std::path::PathBuf;
 
-/// `kernels.cu`, `lora.cu`, `lora_ahead.cu`, `moe.cu`, `lora_experts.cu` then `sample.cu`, one module (the later
-/// files use the helpers of `kernels.cu`).
-pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("moe.cu"), include_str!("lora_experts.cu"), include_str!("sample.cu"));
+/// `kernels.cu`, `decode_attention.cu`, `lora.cu`, `lora_ahead.cu`, `moe.cu`, `lora_experts.cu`,
+/// `sample.cu` then `logit_edits.cu`, one module (the later files use the helpers of `kernels.cu`).
+pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("moe.cu"), include_str!("lora_experts.cu"), include_str!("sample.cu"), include_str!("logit_edits.cu"));
 
 pub(super) struct Kernels {
     pub(super) f32_to_bf16: sys::CUfunction,
@@ -49,6 +49,7 @@ pub(super) struct Kernels {
     pub(super) rms_norm_shrink: [sys::CUfunction; 3],
     pub(super) sample_rows: sys::CUfunction,
     pub(super) resolve_drawn: sys::CUfunction,
+    pub(super) logit_edits: sys::CUfunction,
 }
 
 impl Kernels {
@@ -90,6 +91,7 @@ impl Kernels {
             rms_norm_shrink: [f("rms_norm_shrink_1")?, f("rms_norm_shrink_2")?, f("rms_norm_shrink_4")?],
             sample_rows: f("sample_rows")?,
             resolve_drawn: f("resolve_drawn")?,
+            logit_edits: f("logit_edits")?,
         };
         for (i, &pf) in k.prefill_attention.iter().enumerate() {
             let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;

@@ -4,7 +4,7 @@
 //!
 //! `opencl3` loads `libOpenCL.so.1` at run time, so every build has this device and a machine
 //! without OpenCL, or without an Intel GPU, gets an error naming what is missing. Our OpenCL C
-//! kernels (`common.cl`, `kernels.cl`, `gemm.cl`, `lora.cl`, `moe.cl`, and `dpas.cl` for Intel's
+//! kernels (`common.cl`, `kernels.cl`, `gemm.cl`, `lora.cl`, `moe.cl`, `logit_edits.cl`, and `dpas.cl` for Intel's
 //! matrix extension) are compiled at start-up for the device, tile sizes as `-D` defines from the same
 //! values the host's launch grids use (`tiles.rs`; `QUIVER_OPENCL_TILES` overrides them, so the
 //! kernels can be tuned on real hardware without a code change).
@@ -26,6 +26,7 @@
 mod attention;
 mod gemm;
 pub mod kernel_set;
+mod logit_edits;
 mod lora;
 mod memory;
 mod moe;
@@ -91,6 +92,8 @@ pub struct OpenClDevice {
     allocated: Arc<AtomicUsize>,
     /// Draws happen on the host, from rows read back (see `sample::HostDraws`).
     draws: crate::sample::HostDraws,
+    /// The logit edits' buffers (see `logit_edits.rs`).
+    logit_edits: Mutex<logit_edits::EditBufs>,
 }
 
 // SAFETY: OpenCL handles may be used from any thread; the one call that is not thread-safe on a
@@ -138,10 +141,12 @@ impl OpenClDevice {
         for src in sources.iter().chain(gemm::dpas_source(&set).as_ref()) {
             kernels.extend(program::build(&ctx, caps.id, &name, &set, src, &options)?);
         }
+        let edits = program::Source { file: "logit_edits.cl", text: include_str!("logit_edits.cl") };
+        kernels.extend(program::build(&ctx, caps.id, &name, &set, &edits, &format!("{options} {}", logit_edits::build_options(&caps)))?);
         eprintln!("quiver: {name}: {}", set.describe());
         let allocated = Arc::new(AtomicUsize::new(0));
         let state = State::new(&ctx, &allocated)?;
-        Ok(OpenClDevice { kind, name, caps, set, tiles, kernels, state: Mutex::new(state), launch_lock: Mutex::new(()), queue, ctx, allocated, draws: Default::default() })
+        Ok(OpenClDevice { kind, name, caps, set, tiles, kernels, state: Mutex::new(state), launch_lock: Mutex::new(()), queue, ctx, allocated, draws: Default::default(), logit_edits: Default::default() })
     }
 
     pub fn name(&self) -> &str {
@@ -237,6 +242,10 @@ impl Device for OpenClDevice {
 
     fn alloc(&self, len: usize) -> Tensor {
         Tensor::from_opencl(self.zeroed(len * 4))
+    }
+
+    fn edit_logits(&self, logits: &mut Tensor, edits: &crate::logit_edits::LogitEdits) {
+        self.edit_logits_impl(logits, edits)
     }
 
     fn to_host(&self, t: &Tensor, len: usize, out: &mut [f32]) {

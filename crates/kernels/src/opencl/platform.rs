@@ -29,6 +29,8 @@ pub(super) struct Caps {
     pub(super) local_mem: u64,
     pub(super) global_mem: u64,
     pub(super) max_alloc: u64,
+    /// Single-precision division and square root may be built correctly rounded.
+    pub(super) correct_divide: bool,
 }
 
 impl Caps {
@@ -94,6 +96,7 @@ pub(super) fn select(intel_gpu: bool, index: usize) -> Result<Caps> {
         local_mem: d.local_mem_size().unwrap_or(0),
         global_mem: d.global_mem_size().unwrap_or(0),
         max_alloc: d.max_mem_alloc_size().unwrap_or(0),
+        correct_divide: d.single_fp_config().is_ok_and(|c| c & opencl3::device::CL_FP_CORRECTLY_ROUNDED_DIVIDE_SQRT != 0),
     })
 }
 

@@ -1,9 +1,11 @@
 //! Device ops against the CPU device (f32) on random inputs, for any device: fresh seeds each run
 //! (printed), outputs poisoned with NaN before the op so an unwritten element fails, shapes that
 //! are not multiples of any block, tile or warp size. Shared by `cuda_kernels.rs` and
-//! `opencl_kernels.rs`; the q/k-norm and MoE checks are in `moe`.
+//! `opencl_kernels.rs` (and `logit_edits.rs`, on the CPU); the q/k-norm and MoE checks are in `moe`,
+//! the logit edits' in `logit_edits`.
 #![allow(dead_code)]
 
+pub mod logit_edits;
 pub mod moe;
 
 use quiver_kernels::cpu::CpuDevice;
