@@ -30,9 +30,11 @@ test-amx: test-data
 	else echo "test-amx: no AMX-BF16 on this CPU, skipped"; fi
 
 # The CUDA device builds everywhere (CUDA is loaded at run time); its tests need a GPU and run
-# through scripts/gpu-check.sh on one, so CI compiles them only.
+# through scripts/gpu-check.sh on one, so CI compiles them only, and NVRTC (from NVIDIA's PyPI
+# wheel) compiles the kernels' CUDA C as the device does at start-up.
 check-cuda:
 	$(CARGO) check --workspace --tests --features quiver/cuda,quiver-engine/cuda,quiver-lora/cuda
+	@CACHE=$(CACHE) bash scripts/nvrtc-gate.sh
 
 # Intel's CPU OpenCL runtime (PyPI, into the cache), PoCL and Intel's offline compiler (Debian).
 opencl-runtimes:

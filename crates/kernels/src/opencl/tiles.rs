@@ -42,6 +42,7 @@ impl Default for Tiles {
 impl Tiles {
     /// The defaults with `spec` (`NAME=VALUE,...`) applied; a name or value out of range is an
     /// error naming it, not a silent default.
+    #[cfg(test)]
     pub(super) fn parse(spec: &str) -> Result<Self> {
         Self::parse_over(Tiles::default(), spec)
     }
