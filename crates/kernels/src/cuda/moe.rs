@@ -2,8 +2,9 @@
 //! grouping on the device (no host round trip, so MoE decode steps can be recorded as graphs:
 //! every launch's shape depends on the row count only), experts stacked in one `[E, out, in]`
 //! buffer, and a grouped GEMM over tiles of at most 8 positions of one expert, each warp reading
-//! an output column's weights once per tile. Correct first: the grouped GEMM is plain FMA code,
-//! not tensor cores (see BENCHMARKS.md for where it stands).
+//! its output columns' weights once per tile with 16-byte loads. The grouped GEMM is FMA code,
+//! not tensor cores: decode streams the experts' bytes; prefill is compute-bound there (see
+//! BENCHMARKS.md for where it stands).
 
 use super::{buf, grid1, row_threads, CudaDevice, DevBuf};
 use crate::moe::{expert_stack, ExpertData, ExpertWeights, MoeRouting, QkLayout, QkNorm, RouterSpec, RoutingData};
@@ -142,7 +143,8 @@ impl CudaDevice {
         }
         let spec = route.spec;
         let d = dev(route);
-        launch!(self, self.moe_k.topk, grid1(m, 128), (128, 1, 1); buf(logits), d.expert, d.weight, m as i32, spec.num_experts as i32, spec.top_k as i32, spec.renormalize as i32);
+        assert!(spec.num_experts <= 1024, "MoE routing over {} experts: the CUDA top-k takes at most 1024", spec.num_experts);
+        launch!(self, self.moe_k.topk, grid1(m, 4), (128, 1, 1); buf(logits), d.expert, d.weight, m as i32, spec.num_experts as i32, spec.top_k as i32, spec.renormalize as i32);
         launch!(self, self.moe_k.group, (1, 1, 1), (1024, 1, 1), smem = (spec.num_experts * 4) as u32;
             d.expert, d.offsets, d.cursor, d.row_of, d.pos_of, d.tiles, d.tiles_n, (m * spec.top_k) as i32, spec.num_experts as i32, spec.top_k as i32);
         self.mark("moe route");
@@ -168,7 +170,10 @@ impl CudaDevice {
         let f = if *dtype == DType::Bf16 { self.moe_k.matmul_bf16 } else { self.moe_k.matmul_f32 };
         let d = dev(route);
         let grid = (max_tiles(pairs, route.spec.num_experts) as u32, w.rows.div_ceil(COLS_PER_BLOCK) as u32, 1);
-        launch!(self, f, grid, (MATMUL_THREADS, 1, 1); buf(x), wb.ptr, d.tiles, d.tiles_n, buf(y), w.rows as i32, w.cols as i32);
+        // 16-byte loads of weights and activation rows where every row starts 16-byte aligned.
+        let per_load = if *dtype == DType::Bf16 { 8 } else { 4 };
+        let vec = w.cols % per_load == 0 && buf(x) % 16 == 0 && wb.ptr % 16 == 0;
+        launch!(self, f, grid, (MATMUL_THREADS, 1, 1); buf(x), wb.ptr, d.tiles, d.tiles_n, buf(y), w.rows as i32, w.cols as i32, vec as i32);
         self.mark("moe matmul");
     }
 
