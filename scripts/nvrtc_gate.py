@@ -14,6 +14,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 CUDA = pathlib.Path(__file__).resolve().parent.parent / "crates/kernels/src/cuda"
 ARCH = "sm_90"
@@ -53,14 +54,17 @@ def main():
     loaded = set()
     for rs in CUDA.glob("*.rs"):
         loaded |= set(re.findall(r'\bf\("(\w+)"\)', rs.read_text()))
+    if not loaded:
+        sys.exit("nvrtc_gate: found no kernel loaded by name (`f(\"name\")` in cuda/*.rs): the loaders changed, update this gate")
     missing = sorted(loaded - entries)
     if missing:
         sys.exit(f"nvrtc_gate: kernels loaded by name but not in the module: {', '.join(missing)}")
     print(f"nvrtc_gate: {len(files)} files, {len(entries)} kernels compiled for {ARCH}, all {len(loaded)} loaded by name present")
     if len(sys.argv) > 2:
-        out = pathlib.Path("/tmp") / "quiver-nvrtc-gate.ptx"
-        out.write_text(ptx)
-        r = subprocess.run([sys.argv[2], f"-arch={ARCH}", "-v", str(out), "-o", "/dev/null"], capture_output=True, text=True)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as out:
+            out.write(ptx)
+            out.flush()
+            r = subprocess.run([sys.argv[2], f"-arch={ARCH}", "-v", out.name, "-o", "/dev/null"], capture_output=True, text=True)
         if r.returncode != 0:
             print(r.stderr)
             sys.exit("nvrtc_gate: ptxas rejected the PTX")

@@ -3,6 +3,12 @@
 // block tables, LoRA tiles) lives in one staged buffer; a kernel takes it with the word offset
 // of each slice it reads (`meta + off`).
 
+// No implicit contraction of a * b + c into fma: OpenCL leaves it to the compiler, and Intel's CPU
+// runtime contracted in its vector work-item path but not in its scalar one, so a row's bits
+// depended on how many rows shared a launch (a MoE combine broke batch invariance). Kernels
+// that want an fma call fma().
+#pragma OPENCL FP_CONTRACT OFF
+
 typedef unsigned int u32;
 
 inline float bf2f(ushort h) { return as_float(((uint)h) << 16); }

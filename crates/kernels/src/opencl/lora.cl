@@ -67,8 +67,5 @@ __kernel void lora_expand(__global const float* t, __global const float* B, __gl
     __global const float* b = B + (size_t)slot * R * b_ld + o;
     float acc = 0.f;
     for (int k = 0; k < r; k++) acc = fma(tp[k], b[(size_t)k * b_ld], acc);
-    // An explicit fma: a contracted or uncontracted `y += s * acc` must not depend on whether
-    // the runtime ran this work-item in a vector or a scalar path (batch invariance).
-    __global float* yo = y + (size_t)G[1 + p] * out + o;
-    *yo = fma(as_float(table[scal_off + slot * 3 + j]), acc, *yo);
+    y[(size_t)G[1 + p] * out + o] += as_float(table[scal_off + slot * 3 + j]) * acc;
 }

@@ -125,10 +125,7 @@ __kernel void moe_combine(__global const float* y, __global const float* weight,
     const int i = get_global_id(0), r = get_global_id(1);
     if (i >= dim || r >= rows) return;
     float acc = 0.f;
-    // fma spelled out: OpenCL lets the compiler contract `acc += w * y` or not, and Intel's CPU
-    // runtime did so differently in its vector and scalar work-item paths, so a row's bits
-    // depended on how many rows shared the launch.
-    for (int j = 0; j < k; j++) acc = fma(weight[r * k + j], y[(size_t)pos_of[r * k + j] * dim + i], acc);
+    for (int j = 0; j < k; j++) acc += weight[r * k + j] * y[(size_t)pos_of[r * k + j] * dim + i];
     out[(size_t)r * dim + i] = acc;
 }
 
@@ -137,5 +134,5 @@ __kernel void add_sigmoid_gated(__global float* out, __global const float* x, __
     const int i = get_global_id(0), r = get_global_id(1);
     if (i >= dim || r >= rows) return;
     const float s = 1.f / (1.f + exp(-gate[r]));
-    out[(size_t)r * dim + i] = fma(s, x[(size_t)r * dim + i], out[(size_t)r * dim + i]);
+    out[(size_t)r * dim + i] += s * x[(size_t)r * dim + i];
 }

@@ -25,9 +25,8 @@ pub struct Rng(pub StdRng);
 
 impl Rng {
     pub fn fresh(tag: &str) -> Self {
-        // QUIVER_TEST_SEED replays a failing run's seed.
         let seed = std::env::var("QUIVER_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
-        eprintln!("{tag}: seed {seed}");
+        eprintln!("{tag}: seed {seed} (QUIVER_TEST_SEED to replay)");
         Rng(StdRng::seed_from_u64(seed))
     }
     pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
