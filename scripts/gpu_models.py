@@ -158,7 +158,10 @@ def cmd_models(out, tokdir, only=None):
 @torch.no_grad()
 def greedy_cases(model, vocab, seed):
     """One case per PROMPT_LENS entry: random prompt ids (fixed seed), CONT greedy tokens, and
-    the top-TOP_K logprobs (f64 log-softmax) at every position of prompt + continuation."""
+    the top-TOP_K logprobs (f64 log-softmax) at every position of prompt + continuation; for MoE
+    models each position's router top-k margin (reference.router_margins)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from reference import router_margins
     g = torch.Generator().manual_seed(seed)
     cases = []
     for i, n in enumerate(PROMPT_LENS):
@@ -169,8 +172,12 @@ def greedy_cases(model, vocab, seed):
             seq.append(int(torch.argmax(logits)))
         lp = torch.log_softmax(model(input_ids=torch.tensor([seq], device="cuda")).logits[0].double(), dim=-1)
         top = torch.topk(lp, TOP_K, dim=-1)
-        cases.append({"name": f"p{i}-{n}", "prompt_ids": ids, "continuation_ids": seq[n:],
-                      "top_ids": top.indices.tolist(), "top_logprobs": top.values.float().tolist()})
+        case = {"name": f"p{i}-{n}", "prompt_ids": ids, "continuation_ids": seq[n:],
+                "top_ids": top.indices.tolist(), "top_logprobs": top.values.float().tolist()}
+        margins = router_margins(model, seq, device="cuda")
+        if margins is not None:
+            case["router_margin"] = margins
+        cases.append(case)
     return cases
 
 

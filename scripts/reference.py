@@ -204,6 +204,26 @@ def teacher_forced(model, ids, k=TOP_K):
     return idx, vals
 
 
+@torch.no_grad()
+def router_margins(model, ids, device="cpu"):
+    """Per position, the smallest gap over the MoE layers between the k-th and the (k+1)-th
+    router logit (how far the top-k choice is from picking another expert), or None for a dense
+    model. A reduced-precision run (bf16 activations or KV cache) moves router logits of size ~2
+    by ~1e-2, so where this gap is smaller it may route the position to another expert than this
+    float32 run did, and its logprobs there legitimately differ by more than rounding: the GPU
+    parity tests read it to tell such positions from wrong arithmetic."""
+    k = getattr(model.config, "num_experts_per_tok", None)
+    if not k:
+        return None
+    out = model(input_ids=torch.tensor([ids], device=device), use_cache=False, output_router_logits=True)
+    gaps = []
+    for logits in out.router_logits:
+        s = torch.sort(logits.float().reshape(len(ids), -1), dim=-1, descending=True).values
+        if s.shape[1] > k:
+            gaps.append(s[:, k - 1] - s[:, k])
+    return [float(x) for x in torch.stack(gaps).min(0).values.tolist()] if gaps else None
+
+
 def run_case(model, tok, prompt):
     pids = encode(tok, prompt)
     cont = greedy(model, pids, N_NEW)
@@ -213,7 +233,7 @@ def run_case(model, tok, prompt):
     mism = sum(1 for a, b in zip(tf_arg, cont) if a != b)
     if mism:
         log(f"  warning: {prompt['name']}: {mism} continuation tokens differ from teacher-forced argmax")
-    return {
+    case = {
         "name": prompt["name"],
         "prompt_ids": pids,
         "continuation_ids": cont,
@@ -222,6 +242,10 @@ def run_case(model, tok, prompt):
         "text": tok.decode(cont),
         "tf_argmax_mismatch": mism,
     }
+    margins = router_margins(model, pids + cont)
+    if margins is not None:
+        case["router_margin"] = margins
+    return case
 
 
 def logprobs(model_path, gguf_file, prompts, out, adapter=None, names=None, model_label=None):

@@ -151,7 +151,7 @@ fn assert_edited_on_device(label: &str, h: &EngineHandle) {
 fn grammars_hold_when_overlapped(h: &EngineHandle, vocab: usize) {
     use quiver_engine::Constraint;
     let re = "[0-9]{3}-[a-z]{4}";
-    let schema = serde_json::json!({"type": "object", "properties": {"ok": {"type": "boolean"}, "pick": {"enum": ["left", "right"]}}, "required": ["ok", "pick"]});
+    let schema = serde_json::json!({"type": "object", "properties": {"ok": {"type": "boolean"}, "pick": {"enum": ["left", "right"]}}, "required": ["ok", "pick"], "additionalProperties": false});
     let reqs: Vec<GenerateRequest> = (0..16)
         .map(|i| GenerateRequest {
             prompt: prompt(7000 + i as u64, 5 + i % 9, vocab),

@@ -10,7 +10,9 @@
 //! - concurrent greedy requests through the engine over four adapters and base (LoRA kernels in
 //!   CUDA graphs), and over five adapters rotating through two slots, vs each request alone;
 //! - mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its shared expert) bf16 on CUDA vs
-//!   transformers float32, and concurrent MoE requests vs each alone;
+//!   transformers float32 (a position where the reference's router top-k is at a near-tie may
+//!   take another expert in bf16: such positions are listed and bounded apart, `routed_deltas`),
+//!   and concurrent MoE requests vs each alone;
 //! - a bare Qwen3 decoder's last-token embeddings, bf16 on CUDA through the engine, vs
 //!   transformers float32;
 //! - LoRA on MoE experts: the CPU suite's tiny MoE models and PEFT expert adapters
@@ -20,7 +22,7 @@
 
 mod common;
 
-use common::{alone, check_mixed, gpu_data_dir, max_logprob_delta, oracle_manager, prompt, require, top20_case, RefCase, RefFile};
+use common::{alone, assert_routing_excuses_bounded, check_mixed_routed, gpu_data_dir, max_logprob_delta, oracle_manager, print_excused, prompt, require, routed_deltas, top20_case, RefCase, RefFile, ROUTER_NEAR_TIE};
 use quiver_engine::testing::{temp_dir, write_random_adapter};
 use quiver_engine::{BaseOnly, Engine, EngineConfig, GenerateRequest, Generator};
 use quiver_kernels::{open_device, DType, DeviceKind};
@@ -50,12 +52,18 @@ fn first_divergence(a: &[u32], b: &[u32]) -> Option<usize> {
 fn check_cases(label: &str, lm: &LoadedModel, cases: &[RefCase]) {
     let vocab = lm.model.config.vocab_size;
     let mut g = Generator::new(&lm.model, 2048);
-    let (mut worst, mut same, mut deltas) = (0.0f32, 0, Vec::new());
+    let (mut worst, mut same, mut deltas, mut excused, mut positions) = (0.0f32, 0, Vec::new(), Vec::new(), 0);
     for case in cases {
         let mut all = case.prompt_ids.clone();
         all.extend(&case.continuation_ids);
         let logits = g.score(&all, &mut BaseOnly).unwrap();
-        let (d, pos) = max_logprob_delta(case, &logits, vocab);
+        // MoE models: positions where the reference's router is at a near-tie may take another
+        // expert in bf16; they are bounded apart (every position of a dense model is held).
+        let r = routed_deltas(case, &logits, vocab, TOL, ROUTER_NEAR_TIE);
+        let (d, pos) = r.held;
+        print_excused(&format!("{label} {}", case.name), &r.excused);
+        excused.extend(r.excused);
+        positions += all.len();
         let got = alone(&lm.model, None, &case.prompt_ids, case.continuation_ids.len(), &[]);
         let div = first_divergence(&got, &case.continuation_ids);
         if div.is_none() {
@@ -80,7 +88,16 @@ fn check_cases(label: &str, lm: &LoadedModel, cases: &[RefCase]) {
     eprintln!("{label}: max |Δlogprob| per prompt: median {:.4}, max {:.4}; greedy identical {same}/{}", deltas[deltas.len() / 2], worst, cases.len());
     assert!(worst <= TOL, "{label}: max |Δlogprob| {worst} > {TOL}");
     assert!(same * 8 >= cases.len() * 7, "{label}: greedy identical in only {same}/{} prompts", cases.len());
+    assert_routing_excuses_bounded(label, &excused, positions, EXCUSED_SHARE, EXCUSED_CAP);
 }
+
+/// MoE tests excuse at most one position in this many by routing (`routed_deltas`) ...
+const EXCUSED_SHARE: usize = 20;
+/// ... and none off by more than this, or NaN. Another expert moves logprobs by tenths of a nat
+/// on the bf16 models, and by up to ~6 on tiny Mixtral, whose top 2 of 8 with an adapter on
+/// the experts changes half the layer's expert output; garbage logits over a vocabulary of
+/// 49152 are ~ln(49152) ≈ 10.8 off. Wrong arithmetic shows at the positions held to TOL.
+const EXCUSED_CAP: f32 = 8.0;
 
 #[test]
 #[ignore = "needs a CUDA GPU and scripts/gpu_models.py output: run by scripts/gpu-check.sh"]
@@ -187,10 +204,14 @@ fn peft_adapters_mixed_batch_on_cuda_match_transformers() {
 }
 
 /// Each case's greedy continuation with adapter `key` through single-row decode steps against
-/// the reference's, identical in at least 7 of 8 cases; a divergence prints the reference's
-/// gap between the two tokens there (a bf16 near-tie, or not).
+/// the reference's: at least 7 of 8 cases identical or diverging only at a near-tie (the
+/// reference's two tokens within TOL, or on MoE models its router's top-k within
+/// ROUTER_NEAR_TIE at that row); every divergence prints both.
 fn assert_adapter_greedy_matches(m: &quiver_model::LlamaModel, mgr: &mut LoraManager, key: AdapterKey, cases: &[RefCase], label: &str) {
-    let mut same = 0;
+    // Cases identical to PEFT, and cases diverging where the reference's two tokens are within
+    // the logprob tolerance of each other or its router is at a near-tie (`routed_deltas`): a
+    // near-tie any rounding may flip.
+    let (mut same, mut at_ties) = (0, 0);
     for c in cases {
         let got = alone(m, Some((&mut *mgr, key)), &c.prompt_ids, c.continuation_ids.len(), &[]);
         match first_divergence(&got, &c.continuation_ids) {
@@ -199,15 +220,22 @@ fn assert_adapter_greedy_matches(m: &quiver_model::LlamaModel, mgr: &mut LoraMan
                 let row = c.prompt_ids.len() + p - 1;
                 let lp = |t: u32| c.top_ids[row].iter().position(|&x| x == t).map(|j| c.top_logprobs[row][j]);
                 let gap = match (lp(c.continuation_ids[p]), got.get(p).and_then(|&t| lp(t))) {
-                    (Some(a), Some(b)) => format!("{:.4}", a - b),
-                    _ => "over the top-20".into(),
+                    (Some(a), Some(b)) => Some(a - b),
+                    _ => None,
                 };
-                eprintln!("{label} {}: greedy diverges at token {p} (reference's top-2 gap there {gap})", c.name);
+                // MoE: the row that chose the token had its router at a near-tie.
+                let margin = c.router_margin.get(row).copied();
+                if gap.is_some_and(|g| g <= TOL) || margin.is_some_and(|m| m < ROUTER_NEAR_TIE) {
+                    at_ties += 1;
+                }
+                let gap = gap.map_or("over the top-20".into(), |g| format!("{g:.4}"));
+                let margin = margin.map_or(String::new(), |m| format!(", router margin {m:.2e}"));
+                eprintln!("{label} {}: greedy diverges at token {p} (reference's top-2 gap there {gap}{margin})", c.name);
             }
         }
     }
-    eprintln!("{label}: greedy identical {same}/{}", cases.len());
-    assert!(same * 8 >= cases.len() * 7, "{label}: greedy identical in only {same}/{}", cases.len());
+    eprintln!("{label}: greedy identical {same}/{}, {at_ties} more diverging at a near-tie", cases.len());
+    assert!((same + at_ties) * 8 >= cases.len() * 7, "{label}: greedy identical in only {same}/{} (and {at_ties} at near-ties)", cases.len());
 }
 
 /// Concurrent greedy requests of mixed lengths over the base model and `n_adapters` adapters
@@ -413,7 +441,8 @@ fn moe_expert_adapters_on_cuda(model: &str, adapters: &[&str]) {
         }
         seqs.push((None, &base.cases[i % base.cases.len()], "base"));
     }
-    check_mixed(m, &mut mgr, &seqs, TOL);
+    let (_, excused, positions) = check_mixed_routed(m, &mut mgr, &seqs, TOL, ROUTER_NEAR_TIE);
+    assert_routing_excuses_bounded(model, &excused, positions, EXCUSED_SHARE, EXCUSED_CAP);
     for (i, r) in refs.iter().enumerate() {
         assert_adapter_greedy_matches(m, &mut mgr, keys[i], &r.cases, &format!("{model} {}", adapters[i]));
     }

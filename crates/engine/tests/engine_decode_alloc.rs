@@ -23,7 +23,7 @@ fn warm_decode_allocates_little_beyond_its_outputs() {
     let mut streams: Vec<_> = (0..8)
         .map(|i| h.submit(GenerateRequest { prompt: prompt(i, 10, vocab), max_tokens: 400, ignore_eos: true, sampling: greedy.clone(), ..Default::default() }).unwrap())
         .collect();
-    let mut take = |streams: &mut Vec<quiver_engine::RequestStream>, per: usize| {
+    let take = |streams: &mut Vec<quiver_engine::RequestStream>, per: usize| {
         for s in streams.iter_mut() {
             let mut k = 0;
             while k < per {

@@ -48,6 +48,10 @@ pub struct RefCase {
     pub continuation_ids: Vec<u32>,
     pub top_ids: Vec<Vec<u32>>,
     pub top_logprobs: Vec<Vec<f32>>,
+    /// MoE models: each position's router top-k margin in the reference run
+    /// (`reference.router_margins`); empty for dense models.
+    #[serde(default)]
+    pub router_margin: Vec<f32>,
 }
 
 pub fn read_ref(rel: &str) -> RefFile {
@@ -62,23 +66,81 @@ pub fn log_softmax(row: &[f32]) -> Vec<f32> {
     row.iter().map(|&l| (l as f64 - lse) as f32).collect()
 }
 
-/// Max |Δlogprob| over the reference's top tokens at every position of `case`, given our
-/// logits for prompt+continuation (`[len, vocab]`).
-pub fn max_logprob_delta(case: &RefCase, logits: &[f32], vocab: usize) -> (f32, usize) {
+/// Max |Δlogprob| over the reference's top tokens at each position of `case`, given our logits
+/// for prompt+continuation (`[len, vocab]`); NaN where any is NaN.
+pub fn logprob_deltas(case: &RefCase, logits: &[f32], vocab: usize) -> Vec<f32> {
     let n = case.prompt_ids.len() + case.continuation_ids.len();
     assert_eq!(case.top_ids.len(), n, "{}: reference positions", case.name);
     assert_eq!(logits.len(), n * vocab);
-    let mut worst = (0.0f32, 0usize);
-    for i in 0..n {
-        let lp = log_softmax(&logits[i * vocab..(i + 1) * vocab]);
-        for (&t, &want) in case.top_ids[i].iter().zip(&case.top_logprobs[i]) {
-            let d = (lp[t as usize] - want).abs();
-            if d > worst.0 || d.is_nan() {
-                worst = (d, i);
-            }
-        }
+    (0..n)
+        .map(|i| {
+            let lp = log_softmax(&logits[i * vocab..(i + 1) * vocab]);
+            case.top_ids[i].iter().zip(&case.top_logprobs[i]).map(|(&t, &want)| (lp[t as usize] - want).abs()).fold(0.0f32, |a, d| if d > a || d.is_nan() { d } else { a })
+        })
+        .collect()
+}
+
+/// Max |Δlogprob| over the reference's top tokens at every position of `case`, and where.
+pub fn max_logprob_delta(case: &RefCase, logits: &[f32], vocab: usize) -> (f32, usize) {
+    worst_of(logprob_deltas(case, logits, vocab).into_iter().enumerate())
+}
+
+fn worst_of(deltas: impl Iterator<Item = (usize, f32)>) -> (f32, usize) {
+    deltas.fold((0.0f32, 0usize), |w, (i, d)| if d > w.0 || d.is_nan() { (d, i) } else { w })
+}
+
+/// The router top-k margin under which a GPU run may pick other experts than the float32
+/// reference: bf16 activations and KV move a router logit of size ~2 by ~1e-2 (2^-8 relative),
+/// and a position routed differently has logprobs that differ by more than rounding (0.2-0.7 on
+/// the random MoE models) without any arithmetic being wrong.
+pub const ROUTER_NEAR_TIE: f32 = 0.02;
+
+/// A case's logprobs against its reference, with MoE routing near-ties told apart.
+pub struct RoutedDeltas {
+    /// Worst |Δlogprob| over the positions held to the tolerance, and where.
+    pub held: (f32, usize),
+    /// Positions over the tolerance excused by routing: (position, |Δlogprob|, its router
+    /// margin). A margin below the near-tie bound is a near-tie itself; one above it lies after
+    /// an excused near-tie of the same case, whose other expert reaches it through the KV cache
+    /// (on a 2-layer model with hidden 64 one position's keys and values weigh a lot).
+    pub excused: Vec<(usize, f32, f32)>,
+}
+
+/// `max_logprob_delta`, except that a position over `tol` where the reference's router margin is
+/// below `near_tie` (a routing near-tie), and any position over `tol` after one, are listed apart
+/// instead of counted; `near_tie` 0 (or a dense model) holds every position to `tol`.
+pub fn routed_deltas(case: &RefCase, logits: &[f32], vocab: usize, tol: f32, near_tie: f32) -> RoutedDeltas {
+    let d = logprob_deltas(case, logits, vocab);
+    let margin = |i: usize| case.router_margin.get(i).copied().unwrap_or(f32::INFINITY);
+    let first_tie = (0..d.len()).find(|&i| d[i] > tol && margin(i) < near_tie);
+    let excused = |i: usize| d[i] > tol && first_tie.is_some_and(|f| i >= f);
+    RoutedDeltas {
+        held: worst_of((0..d.len()).filter(|&i| !excused(i)).map(|i| (i, d[i]))),
+        excused: (0..d.len()).filter(|&i| excused(i)).map(|i| (i, d[i], margin(i))).collect(),
     }
-    worst
+}
+
+/// Prints why each of a case's positions in `excused` (`RoutedDeltas`) was excused.
+pub fn print_excused(label: &str, excused: &[(usize, f32, f32)]) {
+    for &(p, d, m) in excused {
+        let why = if m < ROUTER_NEAR_TIE { "a router near-tie" } else { "after a router near-tie" };
+        eprintln!("{label}: position {p} is {d:.4} off, reference router margin {m:.2e} ({why})");
+    }
+}
+
+/// Checks the positions a GPU MoE test excused as routing near-ties (`RoutedDeltas`): at most
+/// one position in `max_share`, and none off by more than another expert's output explains
+/// (`cap`).
+pub fn assert_routing_excuses_bounded(label: &str, excused: &[(usize, f32, f32)], positions: usize, max_share: usize, cap: f32) {
+    let worst = excused.iter().map(|x| x.1).fold(0.0f32, f32::max);
+    let ties = excused.iter().filter(|x| x.2 < ROUTER_NEAR_TIE).count();
+    eprintln!(
+        "{label}: {} of {positions} positions excused by routing ({ties} router near-ties under margin {ROUTER_NEAR_TIE}, {} after one), worst |Δlogprob| there {worst:.4}",
+        excused.len(),
+        excused.len() - ties
+    );
+    assert!(excused.len() * max_share <= positions, "{label}: {} positions excused by routing in {positions} (more than 1 in {max_share})", excused.len());
+    assert!(worst <= cap, "{label}: a position excused by routing is {worst} off (> {cap})");
 }
 
 // ---- engine test helpers ------------------------------------------------------------------
@@ -155,7 +217,7 @@ pub fn top20_case(name: String, prompt_ids: Vec<u32>, continuation_ids: Vec<u32>
         top_logprobs.push(idx.iter().map(|&i| lp[i as usize]).collect());
         top_ids.push(idx);
     }
-    RefCase { name, prompt_ids, continuation_ids, top_ids, top_logprobs }
+    RefCase { name, prompt_ids, continuation_ids, top_ids, top_logprobs, router_margin: Vec::new() }
 }
 
 // ---- shared parity checks ----------------------------------------------------------------
@@ -182,6 +244,13 @@ pub fn peft_manager(model: &LlamaModel, slots: usize) -> (LoraManager, Vec<Adapt
 /// One sequence per (adapter, case); runs them all in one forward and checks every row against
 /// its own adapter's reference within `tol`. Returns the logits, `[rows, vocab]` in sequence order.
 pub fn check_mixed(model: &LlamaModel, mgr: &mut LoraManager, seqs: &[(Option<AdapterKey>, &RefCase, &str)], tol: f32) -> Vec<f32> {
+    check_mixed_routed(model, mgr, seqs, tol, 0.0).0
+}
+
+/// `check_mixed` with MoE routing near-ties (`routed_deltas`) listed apart: returns the logits,
+/// the near-ties and how many positions were checked.
+#[allow(clippy::type_complexity)]
+pub fn check_mixed_routed(model: &LlamaModel, mgr: &mut LoraManager, seqs: &[(Option<AdapterKey>, &RefCase, &str)], tol: f32, near_tie: f32) -> (Vec<f32>, Vec<(usize, f32, f32)>, usize) {
     let vocab = model.config.vocab_size;
     let bs = 16;
     let lens: Vec<usize> = seqs.iter().map(|(_, c, _)| c.prompt_ids.len() + c.continuation_ids.len()).collect();
@@ -201,14 +270,17 @@ pub fn check_mixed(model: &LlamaModel, mgr: &mut LoraManager, seqs: &[(Option<Ad
     let mut ws = model.new_workspace(total_tokens, total_tokens);
     let hook = mgr.prepare_batch(&keys, &batch.seq_starts, &batch.logits_rows).unwrap();
     let logits = model.forward(&batch, &mut kv, &mut ws, &hook);
-    let mut off = 0;
+    let (mut off, mut excused) = (0, Vec::new());
     for ((_, c, label), &len) in seqs.iter().zip(&lens) {
-        let (d, pos) = max_logprob_delta(c, &logits[off * vocab..(off + len) * vocab], vocab);
+        let r = routed_deltas(c, &logits[off * vocab..(off + len) * vocab], vocab, tol, near_tie);
+        let (d, pos) = r.held;
+        print_excused(&format!("{label} {}", c.name), &r.excused);
         assert!(d <= tol, "{label} case {}: max |Δlogprob| {d} at position {pos} > {tol}", c.name);
         eprintln!("{label} {}: max |Δlogprob| {d:.2e}", c.name);
+        excused.extend(r.excused);
         off += len;
     }
-    logits.to_vec()
+    (logits.to_vec(), excused, total_tokens)
 }
 
 /// Runs one adapter through the single-sequence generator.
