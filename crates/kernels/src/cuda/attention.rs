@@ -1,5 +1,5 @@
 //! Attention on CUDA: the KV write of a step's rows, then tensor-core prefill attention
-//! (`prefill_attention_*` in kernels.cu) when some sequence brings several rows, else decode
+//! (`prefill_attention_*` in prefill_attention.cu) when some sequence brings several rows, else decode
 //! attention: by KV head (`decode_attention.cu`, every query head of a KV head in one block, so
 //! a cached K/V row is read once) from `attn_gqa_min_rows` rows, per query head below that
 //! (`paged_attention` in kernels.cu, whose blocks split a short batch's long context finer).

@@ -30,7 +30,7 @@ pub(super) const GEMV_LORA_MAX_RANK: usize = 64;
 /// fit, as for the plain GEMV, measured no faster on the H200 (session 14).
 const GEMV_LORA_BLOCKS_PER_SM: usize = 5;
 
-/// What a single-row GEMV does with its output (`GV_PLAIN`, `GV_SILU`, `GV_ROPE` in kernels.cu).
+/// What a single-row GEMV does with its output (`GV_PLAIN`, `GV_SILU`, `GV_ROPE` in gemv.cu).
 pub(super) enum Gemv1Epilogue<'a> {
     Plain,
     /// `y[i] = silu(gate_i) · up_i` over a fused `[gate; up]` weight: `Device::silu_mul` fused.
@@ -40,7 +40,7 @@ pub(super) enum Gemv1Epilogue<'a> {
 }
 
 impl CudaDevice {
-    /// A single-row GEMV by a bf16 weight with `k % 8 == 0`, its epilogue fused (kernels.cu:
+    /// A single-row GEMV by a bf16 weight with `k % 8 == 0`, its epilogue fused (gemv.cu:
     /// `gemv1_body`).
     pub(super) fn gemv1(&self, w: &Weight, x: &Tensor, bias: Option<&Tensor>, y: &mut Tensor, epilogue: Gemv1Epilogue<'_>) {
         self.gemv1_with(w, x, bias, y, epilogue, None)
@@ -67,7 +67,7 @@ impl CudaDevice {
     }
 
     /// [`Self::gemv1`], computing the LoRA delta `lora` itself (shrink and expand) and adding it
-    /// to each output before the epilogue (kernels.cu: `GemvLora`).
+    /// to each output before the epilogue (gemv.cu: `GemvLora`).
     fn gemv1_with(&self, w: &Weight, x: &Tensor, bias: Option<&Tensor>, y: &mut Tensor, epilogue: Gemv1Epilogue<'_>, lora: Option<&GemvLoraArgs>) {
         let WeightData::Cuda(wb, DType::Bf16) = &w.data else { panic!("gemv1 takes a bf16 device weight") };
         let (n, k) = (w.rows, w.cols);

@@ -16,7 +16,7 @@ impl CudaDevice {
         let name = format!("cuda:{ordinal} ({}, sm_{maj}{min})", ctx.name().unwrap_or_default());
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).context("reading the SM count")?.max(1) as usize;
         if maj < 8 {
-            // bf16 tensor-core MMAs, cp.async and bf16x2 conversions in kernels.cu are sm_80+.
+            // bf16 tensor-core MMAs, cp.async and bf16x2 conversions in the kernels are sm_80+.
             bail!("{name}: Quiver's CUDA kernels need compute capability 8.0 (Ampere) or newer");
         }
         let arch = format!("sm_{maj}{min}");

@@ -108,7 +108,7 @@ pub(super) struct LoraSite {
 /// one 256-input sweep of a warp's 16-byte vectors, so a piece is one load latency.
 const GEMV_LORA_SPLIT: usize = 256;
 
-/// The LoRA half of a fused single-row GEMV launch (kernels.cu `GemvLora`).
+/// The LoRA half of a fused single-row GEMV launch (gemv.cu `GemvLora`).
 pub(super) struct GemvLoraArgs {
     pub(super) t: u64,
     pub(super) ctr: u64,
@@ -306,7 +306,7 @@ impl CudaDevice {
     }
 
     /// The LoRA arguments of a single-row GEMV over `blocks` blocks that computes the shrink of
-    /// `call` itself (kernels.cu: `GemvLora`): its pieces, 8 A rows × `kc` inputs each, as few
+    /// `call` itself (gemv.cu: `GemvLora`): its pieces, 8 A rows × `kc` inputs each, as few
     /// splits of the inputs as keep the pieces ≤ `blocks` (every piece needs a block) and each
     /// piece a couple of 16-byte loads a lane. `None`: nothing to add, or more A row groups than
     /// blocks (the caller takes the separate kernels).

@@ -2,8 +2,9 @@
 //!
 //! Everything is loaded at run time (cudarc's dynamic loading): the binary builds and runs on a
 //! machine without CUDA, where opening a CUDA device fails with a message naming the missing
-//! library. Our kernels (`kernels.cu`) are compiled by NVRTC for the GPU's architecture at start-up
-//! and the PTX is cached on disk, keyed by a hash of source and architecture. GEMMs go through
+//! library. Our kernels (`*.cu`, one module: `module.rs`) are compiled by NVRTC for the GPU's
+//! architecture at start-up and the PTX is cached on disk, keyed by a hash of source and
+//! architecture. GEMMs go through
 //! cuBLAS (`cublasGemmEx`, bf16 or f32 operands, f32 accumulation and output).
 //!
 //! Invariants:
@@ -40,7 +41,7 @@ fn buf(t: &Tensor) -> u64 {
 /// against 6.8 ms for 16 rows through cuBLAS.)
 const GEMV_MAX_M: usize = 1;
 /// Warps per block of the `gemv1_*` kernels, each computing two dot products (`GV_WARPS`,
-/// `GV_ROWS` in kernels.cu).
+/// `GV_ROWS` in gemv.cu).
 const GEMV1_WARPS_PER_BLOCK: usize = 4;
 /// Largest head the attention kernels hold in registers (`MAX_DPL` × 32 in kernels.cu).
 const MAX_HEAD_DIM: usize = 256;
@@ -54,14 +55,14 @@ const GRAPH_MAX_ROWS: usize = 256;
 /// Largest GEMM input width a recorded step may need: the bf16 input scratch is sized for it
 /// before recording, since growing it inside a recording is not allowed.
 const GRAPH_MAX_K: usize = 1 << 16;
-/// Query rows per block of the prefill attention (`FA_BM` in kernels.cu), and its threads.
+/// Query rows per block of the prefill attention (`FA_BM` in prefill_attention.cu), and its threads.
 const PREFILL_ROWS: usize = 64;
 const PREFILL_THREADS: u32 = 128;
 /// Largest head the prefill attention takes (larger heads run the decode kernel per row).
 const PREFILL_MAX_HEAD_DIM: usize = 128;
 
 /// Dynamic shared memory of the prefill attention for a head padded to `hdp`: two buffers of a K
-/// and a V tile of 64 keys, rows padded by 8 bf16 (`fa_smem` in kernels.cu).
+/// and a V tile of 64 keys, rows padded by 8 bf16 (`fa_smem` in prefill_attention.cu).
 fn prefill_smem_bytes(hdp: usize) -> usize {
     2 * 2 * 64 * (hdp + 8) * 2
 }
@@ -94,7 +95,7 @@ struct State {
     /// call it is for (`lora_ahead.rs`).
     lora_ahead_t: DevBuf,
     lora_ahead: Option<lora_ahead::Ahead>,
-    /// The fused single-row LoRA GEMV's four counters (kernels.cu `GemvLora::ctr`): zero
+    /// The fused single-row LoRA GEMV's four counters (gemv.cu `GemvLora::ctr`): zero
     /// between launches, each launch's last warp zeroes them.
     gemv_lora_ctr: DevBuf,
     /// Host ends of the copy stream: staged metadata, downloaded data.
@@ -247,7 +248,7 @@ impl CudaDevice {
     /// Launches `f` on the device's stream. With `pdl` the launch allows programmatic stream
     /// serialization: the kernel may be scheduled while its predecessor drains (hiding launch
     /// latency and the predecessor's tail, which matter in a decode step of ~330 small kernels).
-    /// That is safe because every kernel in kernels.cu starts with `pdl_entry()`, which waits for
+    /// That is safe because every kernel of the module starts with `pdl_entry()`, which waits for
     /// the predecessor's completion before touching memory a kernel writes.
     ///
     /// # Safety

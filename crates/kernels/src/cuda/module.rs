@@ -7,9 +7,11 @@ use cudarc::driver::{result, sys, CudaModule};
 use std::sync::Arc;
 use std::path::PathBuf;
 
-/// `kernels.cu`, `decode_attention.cu`, `lora.cu`, `lora_ahead.cu`, `moe.cu`, `lora_experts.cu`,
-/// `sample.cu` then `logit_edits.cu`, one module (the later files use the helpers of `kernels.cu`).
-pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("moe.cu"), include_str!("lora_experts.cu"), include_str!("sample.cu"), include_str!("logit_edits.cu"));
+/// `kernels.cu`, `gemv.cu`, `prefill_attention.cu`, `decode_attention.cu`, `lora.cu`,
+/// `lora_ahead.cu`, `moe.cu`, `lora_experts.cu`, `sample.cu` then `logit_edits.cu`, one module
+/// (later files use the helpers of earlier ones: kernels.cu's bf16 and reduction helpers,
+/// gemv.cu's cp.async and dot8, prefill_attention.cu's mma / ldmatrix).
+pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("gemv.cu"), include_str!("prefill_attention.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("moe.cu"), include_str!("lora_experts.cu"), include_str!("sample.cu"), include_str!("logit_edits.cu"));
 
 pub(super) struct Kernels {
     pub(super) f32_to_bf16: sys::CUfunction,
