@@ -2,6 +2,7 @@
 //! adapter management, Prometheus metrics and graceful shutdown, over a [`Backend`] (the
 //! engine, see [`engine_backend`]).
 
+mod adapter_routes;
 pub mod adapters;
 pub mod backend;
 mod chat;
