@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 mkdir -p .gpu/bin .gpu/tok
 cargo build --release -p quiver --features cuda
 cp target/release/quiver .gpu/bin/
-for t in "quiver-kernels cuda_kernels" "quiver-kernels cuda_sample" "quiver-lora cuda_lora" "quiver-engine cuda_parity" "quiver-engine cuda_overlap"; do
+for t in "quiver-kernels cuda_kernels" "quiver-kernels cuda_sample" "quiver-lora cuda_lora" "quiver-engine cuda_parity" "quiver-engine cuda_overlap" "quiver-engine tensor_parallel"; do
     set -- $t
     exe=$(cargo test --release -p "$1" --features cuda --test "$2" --no-run --message-format=json 2>/dev/null \
         | python3 -c 'import sys,json

@@ -124,10 +124,15 @@ fn tiny_config(vocab: usize) -> ModelConfig {
 /// [`tiny_model`]'s shape with [`random_hf_weights`] (other values), split over `tp`
 /// tensor-parallel CPU ranks through the loader (`tp` = 1: unsplit).
 pub fn tiny_model_tp(tokenizer_gguf: &Path, seed: u64, tp: usize) -> Result<LoadedModel> {
+    tiny_model_tp_on(tokenizer_gguf, seed, tp, DeviceKind::Cpu)
+}
+
+/// [`tiny_model_tp`] on `device` (f32 weights).
+pub fn tiny_model_tp_on(tokenizer_gguf: &Path, seed: u64, tp: usize, device: DeviceKind) -> Result<LoadedModel> {
     let tokenizer = Tokenizer::from_gguf_path(tokenizer_gguf).with_context(|| format!("tokenizer of {}", tokenizer_gguf.display()))?;
     let config = tiny_config(tokenizer.vocab_size());
     let weights = random_hf_weights(&config, seed);
-    let model = quiver_model::loader::load_hf_weights(&weights, config, open_device(DeviceKind::Cpu)?, DType::F32, tp)?;
+    let model = quiver_model::loader::load_hf_weights(&weights, config, open_device(device)?, DType::F32, tp)?;
     Ok(LoadedModel { model, tokenizer, path: PathBuf::from(format!("tiny-random-tp{tp}")) })
 }
 

@@ -27,15 +27,27 @@ use quiver_engine::testing::{temp_dir, write_random_adapter};
 use quiver_engine::{BaseOnly, Engine, EngineConfig, GenerateRequest, Generator};
 use quiver_kernels::{open_device, DType, DeviceKind};
 use quiver_lora::{AdapterKey, LoraConfig, LoraManager, LoraModule};
+use quiver_model::loader::load_model_tp;
 use quiver_model::{load_model, ForwardBatch, LoadedModel, LogitsFor};
 use std::path::PathBuf;
 
 /// Tolerance of the issue: bf16 weights and KV against float32.
 const TOL: f32 = 0.1;
 
+/// Dense models load split over `QUIVER_TEST_TP` tensor-parallel ranks (default 1), so the
+/// suite checks a sharded CUDA model against transformers as it does a whole one
+/// (`scripts/gpu-tp.sh`; the ranks share the GPU with `QUIVER_CUDA_TP_SHARE_GPUS=1`).
 fn load_on(name: &str, device: DeviceKind, dtype: DType) -> LoadedModel {
+    load_on_tp(name, device, dtype, test_tp())
+}
+
+fn test_tp() -> usize {
+    std::env::var("QUIVER_TEST_TP").ok().map_or(1, |v| v.parse().expect("QUIVER_TEST_TP is a rank count"))
+}
+
+fn load_on_tp(name: &str, device: DeviceKind, dtype: DType, tp: usize) -> LoadedModel {
     let p = gpu_data_dir().join("models").join(name);
-    load_model(&p, open_device(device).unwrap_or_else(|e| panic!("{e:#}")), dtype).unwrap_or_else(|e| panic!("loading {}: {e:#}", p.display()))
+    load_model_tp(&p, open_device(device).unwrap_or_else(|e| panic!("{e:#}")), dtype, tp).unwrap_or_else(|e| panic!("loading {} at TP {tp}: {e:#}", p.display()))
 }
 
 fn read_ref(name: &str) -> RefFile {
@@ -150,6 +162,9 @@ fn peft_adapters_mixed_batch_on_cuda_match_transformers() {
     let vocab = m.config.vocab_size;
     let cfg = LoraConfig { max_loras_per_batch: 8, max_lora_rank: 16, target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
     let mut mgr = LoraManager::new(m.lora_dims(), cfg, m.device.clone()).unwrap();
+    if let Some(ranks) = m.tp_ranks() {
+        mgr.shard_pool(&ranks).unwrap();
+    }
     let keys: Vec<AdapterKey> = GPU_ADAPTERS.iter().map(|a| mgr.load_adapter(a, gpu_data_dir().join("adapters").join(a)).unwrap_or_else(|e| panic!("{a}: {e}"))).collect();
     let refs: Vec<RefFile> = GPU_ADAPTERS.iter().map(|a| read_ref(&format!("llama-gpu-{a}"))).collect();
     let base = read_ref("llama-gpu");
@@ -243,7 +258,9 @@ fn assert_adapter_greedy_matches(m: &quiver_model::LlamaModel, mgr: &mut LoraMan
 /// request alone through `Generator`.
 fn engine_matches_alone(tag: &str, n_requests: usize, n_adapters: usize, slots: usize) {
     let lm = load_on("llama-gpu", DeviceKind::Cuda(0), DType::Bf16);
-    let oracle_lm = load_on("llama-gpu", DeviceKind::Cuda(0), DType::Bf16);
+    // The oracle is always one rank: under QUIVER_TEST_TP the engine's sharded model is held
+    // to the whole one's tokens.
+    let oracle_lm = load_on_tp("llama-gpu", DeviceKind::Cuda(0), DType::Bf16, 1);
     let dims = lm.model.lora_dims();
     let vocab = lm.model.config.vocab_size;
     let root = temp_dir("cuda-parity");

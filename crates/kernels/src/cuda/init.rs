@@ -123,6 +123,8 @@ impl CudaDevice {
             lora_row1_beside,
             attn_gqa_min_rows,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),
+            draw_source: None,
+            gpu_share: 1,
         })
     }
 }

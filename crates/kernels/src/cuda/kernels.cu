@@ -78,17 +78,29 @@ extern "C" __global__ void add_inplace(float* __restrict__ a, const float* __res
 }
 
 // One block per row.
-extern "C" __global__ void embedding_bf16(const bf16_t* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim) {
+// The table holds vocab rows `start..start + rows` (the whole vocabulary, or a tensor-parallel
+// rank's shard); a token outside them gets a zero row (the ranks' rows are summed next).
+extern "C" __global__ void embedding_bf16(const bf16_t* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim, u32 start, u32 rows) {
     pdl_entry();
-    const bf16_t* src = table + (size_t)ids[blockIdx.x] * dim;
+    const u32 r = ids[blockIdx.x] - start;
     float* dst = out + (size_t)blockIdx.x * dim;
+    if (r >= rows) {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = 0.f;
+        return;
+    }
+    const bf16_t* src = table + (size_t)r * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = bf2f(src[i]);
 }
 
-extern "C" __global__ void embedding_f32(const float* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim) {
+extern "C" __global__ void embedding_f32(const float* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim, u32 start, u32 rows) {
     pdl_entry();
-    const float* src = table + (size_t)ids[blockIdx.x] * dim;
+    const u32 r = ids[blockIdx.x] - start;
     float* dst = out + (size_t)blockIdx.x * dim;
+    if (r >= rows) {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = 0.f;
+        return;
+    }
+    const float* src = table + (size_t)r * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = src[i];
 }
 

@@ -163,6 +163,12 @@ pub struct CudaDevice {
     /// Steps of at least this many decode rows take the attention by KV head
     /// (`QUIVER_CUDA_ATTN_GQA_MIN_ROWS`).
     attn_gqa_min_rows: usize,
+    /// Rank ≥ 1 of a tensor-parallel group: rank 0's device, whose draws this rank's steps
+    /// read when their ids name them (`resolve_drawn`; `collective.rs`).
+    draw_source: Option<Arc<CudaDevice>>,
+    /// Ranks of this device's group placed on its GPU (1 outside a group): the memory the
+    /// device reports free is split between them.
+    gpu_share: usize,
 }
 
 // SAFETY: the raw stream and function handles are used only under the device's discipline
@@ -192,6 +198,7 @@ macro_rules! launch {
 }
 
 // The op families, each in its file; declared after `launch!` so they can use it.
+mod collective;
 mod gemm;
 mod graphs;
 mod init;
@@ -243,6 +250,21 @@ impl CudaDevice {
         self.bind();
         unsafe { result::stream::synchronize(self.stream) }.with_context(|| format!("CUDA stream of {}", self.name))?;
         Ok(())
+    }
+
+    /// The embedding of `ids` from a table of vocab rows `start..start + table.rows`; ids
+    /// outside it get zero rows (a tensor-parallel rank's shard).
+    fn embedding_rows(&self, table: &Weight, ids: &[u32], start: usize, out: &mut Tensor) {
+        self.bind();
+        if ids.is_empty() {
+            return;
+        }
+        let WeightData::Cuda(tb, dtype) = &table.data else { panic!("CUDA embedding given a host table") };
+        let f = if *dtype == DType::Bf16 { self.k.embedding_bf16 } else { self.k.embedding_f32 };
+        let mut st = self.state.lock().unwrap();
+        let idp = self.meta_ptr(&mut st, ids);
+        launch!(self, f, (ids.len() as u32, 1, 1), (256, 1, 1); tb.ptr, idp, buf(out), table.cols as i32, start as u32, table.rows as u32);
+        self.mark("embedding");
     }
 
     /// Launches `f` on the device's stream. With `pdl` the launch allows programmatic stream
@@ -357,10 +379,10 @@ impl Device for CudaDevice {
         DeviceKind::Cuda(self.ordinal)
     }
 
-    /// Not yet: the design (ARCHITECTURE.md, Tensor parallelism) is one `CudaDevice` per GPU
-    /// and NCCL collectives on their compute streams through cudarc's run-time loaded `nccl`.
+    /// One `CudaDevice` per rank on GPUs `ordinal, ordinal + 1, …` and the peer collectives
+    /// between them (`collective.rs`).
     fn tensor_parallel_group(&self, ranks: usize) -> Result<Vec<(std::sync::Arc<dyn Device>, std::sync::Arc<dyn crate::Collective>)>, String> {
-        Err(format!("{ranks} ranks on CUDA need NCCL collectives between the GPUs, which this build does not have yet (tensor parallelism runs on --device cpu only, as a correctness mode)"))
+        collective::group(self.ordinal, ranks).map_err(|e| format!("{e:#}"))
     }
 
     fn alloc(&self, len: usize) -> Tensor {
@@ -426,7 +448,7 @@ impl Device for CudaDevice {
 
     fn memory_info(&self) -> Option<(usize, usize)> {
         self.bind();
-        result::mem_get_info().ok()
+        result::mem_get_info().ok().map(|(free, total)| (free / self.gpu_share, total / self.gpu_share))
     }
 
     fn alloc_kv(&self, layout: KvLayout) -> KvStorage {
@@ -457,16 +479,11 @@ impl Device for CudaDevice {
     }
 
     fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) {
-        self.bind();
-        if ids.is_empty() {
-            return;
-        }
-        let WeightData::Cuda(tb, dtype) = &table.data else { panic!("CUDA embedding given a host table") };
-        let f = if *dtype == DType::Bf16 { self.k.embedding_bf16 } else { self.k.embedding_f32 };
-        let mut st = self.state.lock().unwrap();
-        let idp = self.meta_ptr(&mut st, ids);
-        launch!(self, f, (ids.len() as u32, 1, 1), (256, 1, 1); tb.ptr, idp, buf(out), table.cols as i32);
-        self.mark("embedding");
+        self.embedding_rows(table, ids, 0, out);
+    }
+
+    fn embedding_vocab_range(&self, table: &Weight, ids: &[u32], start: usize, out: &mut Tensor) {
+        self.embedding_rows(table, ids, start, out);
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor) {

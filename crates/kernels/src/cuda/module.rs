@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::path::PathBuf;
 
 /// `kernels.cu`, `gemv.cu`, `prefill_attention.cu`, `decode_attention.cu`, `lora.cu`,
-/// `lora_ahead.cu`, `moe.cu`, `lora_experts.cu`, `sample.cu` then `logit_edits.cu`, one module
+/// `lora_ahead.cu`, `moe.cu`, `lora_experts.cu`, `sample.cu`, `logit_edits.cu` then
+/// `collective.cu`, one module
 /// (later files use the helpers of earlier ones: kernels.cu's bf16 and reduction helpers,
 /// gemv.cu's cp.async and dot8, prefill_attention.cu's mma / ldmatrix).
-pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("gemv.cu"), include_str!("prefill_attention.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("moe.cu"), include_str!("lora_experts.cu"), include_str!("sample.cu"), include_str!("logit_edits.cu"));
+pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("gemv.cu"), include_str!("prefill_attention.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("moe.cu"), include_str!("lora_experts.cu"), include_str!("sample.cu"), include_str!("logit_edits.cu"), include_str!("collective.cu"));
 
 pub(super) struct Kernels {
     pub(super) f32_to_bf16: sys::CUfunction,
@@ -52,6 +53,9 @@ pub(super) struct Kernels {
     pub(super) sample_rows: sys::CUfunction,
     pub(super) resolve_drawn: sys::CUfunction,
     pub(super) logit_edits: sys::CUfunction,
+    /// A tensor-parallel rank's part of an all-reduce, and the logits' all-gather (`collective.cu`).
+    pub(super) tp_all_reduce: sys::CUfunction,
+    pub(super) tp_all_gather_cols: sys::CUfunction,
 }
 
 impl Kernels {
@@ -94,6 +98,8 @@ impl Kernels {
             sample_rows: f("sample_rows")?,
             resolve_drawn: f("resolve_drawn")?,
             logit_edits: f("logit_edits")?,
+            tp_all_reduce: f("tp_all_reduce")?,
+            tp_all_gather_cols: f("tp_all_gather_cols")?,
         };
         for (i, &pf) in k.prefill_attention.iter().enumerate() {
             let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;

@@ -145,9 +145,19 @@ impl CudaDevice {
             let e = st.staged.iter().find(|e| e.addr == ids.as_ptr() as usize && e.len == ids.len()).expect("resolve_drawn: the ids were not staged by stage_batch");
             st.meta.ptr + 4 * e.offset as u64
         };
-        let d = self.draws.lock().unwrap();
+        // A tensor-parallel rank ≥ 1 reads rank 0's draws (peer memory), once rank 0's stream
+        // has made them: its draw was launched before this step was queued.
+        let src = self.draw_source.as_deref().unwrap_or(self);
+        let d = src.draws.lock().unwrap();
         assert!(last < d.n, "token id names draw {last} of a launch of {}", d.n);
-        let outs = d.bufs.as_ref().expect("sample buffers").outs.ptr;
+        let b = d.bufs.as_ref().expect("sample buffers");
+        if !std::ptr::eq(src, self) {
+            // SAFETY: an event of rank 0's context recorded after its draw kernel; a stream of
+            // this context (a wait may name another context's event).
+            unsafe { result::stream::wait_event(self.stream, b.drawn, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .unwrap_or_else(|e| panic!("{} waiting for rank 0's draws: {e:?}", self.name));
+        }
+        let outs = b.outs.ptr;
         launch!(self, self.k.resolve_drawn, grid1(ids.len(), 256), (256, 1, 1); ptr, ids.len() as i32, outs);
         self.mark("resolve_drawn");
         ids
