@@ -177,6 +177,20 @@ impl LlamaModel {
         self.ranks().map(|m| m.kv_layout(1, block_size).bytes_per_block(m.device.kv_elem_bytes())).sum()
     }
 
+    /// KV blocks that fit the devices' memory, `budget(free, total)` bytes on each: every
+    /// rank's budget over its own block bytes, the fewest over the ranks (a device shared by
+    /// several ranks reports its share). `None` on devices that do not report memory (the
+    /// CPU, whose simulated ranks share the host's).
+    pub fn kv_blocks_in_memory(&self, block_size: usize, budget: &dyn Fn(usize, usize) -> usize) -> Option<usize> {
+        self.ranks()
+            .map(|m| {
+                let (free, total) = m.device.memory_info()?;
+                Some(budget(free, total) / m.kv_layout(1, block_size).bytes_per_block(m.device.kv_elem_bytes()).max(1))
+            })
+            .min()
+            .flatten()
+    }
+
     pub fn new_workspace(&self, max_tokens: usize, max_logit_rows: usize) -> Workspace {
         self.workspace_for(max_tokens, max_logit_rows, Head::Logits)
     }

@@ -215,12 +215,12 @@ impl Engine {
         let num_blocks = match cfg.kv_cache_memory {
             Some(b) => b / bpb,
             None => {
-                let budget = match model.device.memory_info() {
-                    Some((free, total)) => free.saturating_sub(((1.0 - cfg.gpu_memory_utilization.clamp(0.0, 1.0)) * total as f64) as usize),
-                    None => mem_available().map_or(1 << 30, |m| m * 3 / 10).min(4 << 30),
-                };
+                // Device memory: each tensor-parallel rank's own; host memory: shared by all.
+                let util = cfg.gpu_memory_utilization.clamp(0.0, 1.0);
+                let on_device = model.kv_blocks_in_memory(bs, &|free, total| free.saturating_sub(((1.0 - util) * total as f64) as usize));
+                let fit = on_device.unwrap_or_else(|| mem_available().map_or(1 << 30, |m| m * 3 / 10).min(4 << 30) / bpb);
                 let need = cfg.max_running_requests * max_model_len.div_ceil(bs) + 1;
-                (budget / bpb).min(need)
+                fit.min(need)
             }
         };
         anyhow::ensure!(num_blocks >= 2, "kv_cache_memory is too small: one block of {bs} tokens takes {bpb} bytes");
