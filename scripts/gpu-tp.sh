@@ -5,7 +5,8 @@
 # speed.
 #
 # Steps: the random llama-gpu / qwen2-gpu models, their float32 references and llama-gpu's PEFT
-# adapters (scripts/gpu_models.py); the sharded forward against one rank in f32 on tiny models
+# adapters (scripts/gpu_models.py); the peer collectives alone (cuda_kernels); the tiny models
+# unsharded on CUDA against the CPU, then the sharded forward against one rank in f32
 # (tensor_parallel); then cuda_parity's dense tests with every model split over TP_SIZES ranks:
 # bf16 against transformers + PEFT in float32, the engine (4 adapters + base, 40 concurrent
 # requests; slot churn) against the whole model run alone. A summary is printed last. The data
@@ -34,7 +35,9 @@ step models python3 scripts/gpu_models.py models "$DATA" .gpu/tok llama-gpu,qwen
 step refs python3 scripts/gpu_models.py refs "$DATA"
 step adapters python3 scripts/gpu_models.py adapters "$DATA" llama-gpu
 step peft-refs python3 scripts/gpu_models.py peft-refs "$DATA"
-step tp-tiny-f32 .gpu/bin/tensor_parallel --ignored cuda_ --test-threads 1 --nocapture
+step cuda-collectives .gpu/bin/cuda_kernels --ignored collectives_sum_in_rank_order_on_every_rank --test-threads 1 --nocapture
+step tiny-vs-cpu .gpu/bin/tensor_parallel --ignored cuda_unsharded_tiny_models_match_the_cpu --test-threads 1 --nocapture
+step tp-tiny-f32 .gpu/bin/tensor_parallel --ignored cuda_tensor_parallel --test-threads 1 --nocapture
 for tp in ${TP_SIZES:-2 4 8}; do
     tests="random_llama_gqa_bf16_matches_transformers peft_adapters_mixed_batch_on_cuda_match_transformers engine_batched_equals_alone_on_cuda engine_slot_churn_on_cuda"
     # qwen2-gpu has 12 query heads: 8 ranks do not divide them.
@@ -43,7 +46,8 @@ for tp in ${TP_SIZES:-2 4 8}; do
 done
 echo "== summary"
 cat "$LOGS/nvidia-smi.log"
-grep -hE "TP [0-9]+: max" "$LOGS/tp-tiny-f32.log"
+grep -hE "ranks, .* elements" "$LOGS/cuda-collectives.log"
+grep -hE "against the CPU|TP [0-9]+: max|by step" "$LOGS/tiny-vs-cpu.log" "$LOGS/tp-tiny-f32.log"
 for tp in ${TP_SIZES:-2 4 8}; do
     echo "-- TP $tp"
     grep -hE "median|over every position|greedy identical|requests identical" "$LOGS/parity-tp$tp.log"

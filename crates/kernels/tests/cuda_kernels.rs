@@ -207,3 +207,67 @@ fn qk_norm_matches_cpu() {
 fn moe_block_matches_cpu() {
     device_kernels::moe::moe_block_matches_cpu(&gpu(), 1e-2, false);
 }
+
+/// The peer collectives of a CUDA tensor-parallel group (`cuda/collective.rs`), ranks sharing
+/// the GPUs there are (`QUIVER_CUDA_TP_SHARE_GPUS=1`, which the GPU scripts set): each rank adds
+/// one to its buffer on the device and all-reduces it, round after round, so a collective that
+/// read a partial before its kernel wrote it, or a kernel that read the sum before every rank's
+/// part was in, shows; the sums must be the rank-ordered f32 sums bit for bit, the gathered
+/// columns exact. Lengths from one element to past a block's chunk.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-tp.sh"]
+fn collectives_sum_in_rank_order_on_every_rank() {
+    for n in [2usize, 4] {
+        let group = gpu().tensor_parallel_group(n).unwrap_or_else(|e| panic!("{n} ranks: {e}"));
+        for len in [1usize, 3, 256, 1856, 65_537] {
+            let rounds = 6;
+            let got: Vec<Vec<Vec<f32>>> = std::thread::scope(|sc| {
+                let hs: Vec<_> = group
+                    .iter()
+                    .map(|(d, c)| {
+                        sc.spawn(move || {
+                            let r = c.rank();
+                            let mut t = d.tensor_from(&(0..len).map(|i| ((i % 97) * 10 + r) as f32 * 0.1).collect::<Vec<_>>());
+                            let one = d.tensor_from(&vec![1.0; len]);
+                            let mut seen = Vec::new();
+                            for _ in 0..rounds {
+                                d.add_inplace(&mut t, &one, len);
+                                c.all_reduce_sum(&mut t, len);
+                                let mut h = vec![0.0; len];
+                                d.to_host(&t, len, &mut h);
+                                seen.push(h);
+                            }
+                            let (rows, cols) = (3, len.min(50));
+                            let local = d.tensor_from(&(0..rows * cols).map(|i| (r * 1000 + i) as f32).collect::<Vec<_>>());
+                            let mut out = d.tensor_from(&vec![0.0; rows * cols * n]);
+                            c.all_gather_cols(&local, rows, cols, &mut out);
+                            let mut h = vec![0.0; rows * cols * n];
+                            d.to_host(&out, rows * cols * n, &mut h);
+                            for i in 0..rows {
+                                for q in 0..n {
+                                    for j in 0..cols {
+                                        assert_eq!(h[i * cols * n + q * cols + j], (q * 1000 + i * cols + j) as f32, "{n} ranks, gather on rank {r}");
+                                    }
+                                }
+                            }
+                            seen
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            // The host's rank-ordered sums, round by round.
+            let mut want: Vec<Vec<f32>> = (0..n).map(|r| (0..len).map(|i| ((i % 97) * 10 + r) as f32 * 0.1).collect()).collect();
+            for round in 0..rounds {
+                let sum: Vec<f32> = (0..len).map(|i| (1..n).fold(want[0][i] + 1.0, |s, r| s + (want[r][i] + 1.0))).collect();
+                for (r, seen) in got.iter().enumerate() {
+                    if let Some(i) = (0..len).find(|&i| seen[round][i].to_bits() != sum[i].to_bits()) {
+                        panic!("{n} ranks, {len} elements, round {round}: rank {r} element {i} is {} (want {})", seen[round][i], sum[i]);
+                    }
+                }
+                want = vec![sum; n];
+            }
+            eprintln!("{n} ranks, {len} elements: {rounds} rounds of all-reduce identical to the rank-ordered sum");
+        }
+    }
+}

@@ -15,7 +15,9 @@
 //! stream waits on the events the other ranks recorded before it. After the first every rank's
 //! stream waits until every rank's partial is written; after the second, until every rank's
 //! kernel has finished with the others' buffers, so none is overwritten while still read. The
-//! host never waits for the GPU. Steps of a group run eagerly (no CUDA graphs: a graph cannot
+//! host never waits for the GPU. A kernel after such a wait is launched plainly (`launch!(after_wait
+//! …)`): a programmatic launch (PDL) waits for its predecessor kernel, not for event waits
+//! between them. Steps of a group run eagerly (no CUDA graphs: a graph cannot
 //! hold the host barrier).
 
 use super::*;
@@ -28,6 +30,8 @@ pub(super) const MAX_RANKS: usize = 8;
 /// Lets the ranks of a group share GPUs when there are fewer GPUs than ranks: tests the
 /// sharded path on one GPU; never faster than one rank.
 const SHARE_ENV: &str = "QUIVER_CUDA_TP_SHARE_GPUS";
+/// Makes every collective wait on the host (see `Shared::host_sync`).
+const SYNC_ENV: &str = "QUIVER_CUDA_TP_SYNC";
 
 /// The devices and collectives of `ranks` ranks, rank r on GPU `(first + r) % GPUs`.
 pub(super) fn group(first: usize, ranks: usize) -> Result<Vec<(Arc<dyn Device>, Arc<dyn Collective>)>> {
@@ -62,6 +66,7 @@ pub(super) fn group(first: usize, ranks: usize) -> Result<Vec<(Arc<dyn Device>, 
         ptrs: std::array::from_fn(|_| AtomicU64::new(0)),
         lens: std::array::from_fn(|_| AtomicUsize::new(0)),
         events: devices.iter().map(RankEvents::new).collect::<Result<_>>()?,
+        host_sync: std::env::var_os(SYNC_ENV).is_some_and(|v| v != "0"),
     });
     Ok(devices
         .into_iter()
@@ -137,6 +142,9 @@ struct Shared {
     ptrs: [AtomicU64; MAX_RANKS],
     lens: [AtomicUsize; MAX_RANKS],
     events: Vec<RankEvents>,
+    /// Diagnosis (`QUIVER_CUDA_TP_SYNC=1`): each rank's host waits for its stream before and
+    /// after every collective, so the events order nothing the host has not already.
+    host_sync: bool,
 }
 
 // SAFETY: the raw event handles are only recorded and waited on, which the driver allows from
@@ -188,6 +196,9 @@ impl Shared {
     /// Publishes this rank's buffer, waits for every rank's, and returns them all (pointer
     /// arguments for the kernels, 0 past the last rank), checking the lengths agree.
     fn exchange(&self, rank: usize, dev: &CudaDevice, ptr: u64, len: usize, what: &str) -> [u64; MAX_RANKS] {
+        if self.host_sync {
+            dev.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+        }
         self.ptrs[rank].store(ptr, Ordering::Relaxed);
         self.lens[rank].store(len, Ordering::Relaxed);
         self.record(rank, dev, |e| e.ready);
@@ -206,6 +217,13 @@ impl Shared {
         self.record(rank, dev, |e| e.done);
         self.barrier();
         self.wait_others(rank, dev, |e| e.done);
+        // The next kernel may be launched programmatically and then waits only for the kernel
+        // before it: this plain one, which waited for the other ranks.
+        launch!(after_wait dev, dev.k.tp_fence, (1, 1, 1), (32, 1, 1););
+        if self.host_sync {
+            dev.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+            self.barrier();
+        }
     }
 }
 
@@ -239,7 +257,7 @@ impl Collective for PeerCollective {
         let chunk = len.div_ceil(n).next_multiple_of(4);
         let (lo, hi) = ((self.rank * chunk).min(len), ((self.rank + 1) * chunk).min(len));
         if lo < hi {
-            launch!(d, d.k.tp_all_reduce, (grid1((hi - lo).div_ceil(4), 256).0.min(BLOCKS as u32), 1, 1), (256, 1, 1);
+            launch!(after_wait d, d.k.tp_all_reduce, (grid1((hi - lo).div_ceil(4), 256).0.min(BLOCKS as u32), 1, 1), (256, 1, 1);
                 p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], n as i32, lo as i32, hi as i32);
             d.mark("all-reduce");
         }
@@ -251,7 +269,7 @@ impl Collective for PeerCollective {
         d.bind();
         let p = s.exchange(self.rank, d, buf(local), rows * cols, "all-gather");
         if rows * cols > 0 {
-            launch!(d, d.k.tp_all_gather_cols, (grid1(rows * cols * n, 256).0.min(4 * BLOCKS as u32), 1, 1), (256, 1, 1);
+            launch!(after_wait d, d.k.tp_all_gather_cols, (grid1(rows * cols * n, 256).0.min(4 * BLOCKS as u32), 1, 1), (256, 1, 1);
                 p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], n as i32, rows as i32, cols as i32, buf(out));
             d.mark("all-gather");
         }

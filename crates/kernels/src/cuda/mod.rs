@@ -181,6 +181,18 @@ macro_rules! launch {
     ($dev:expr, $f:expr, $grid:expr, $block:expr; $($arg:expr),* $(,)?) => {
         launch!($dev, $f, $grid, $block, smem = 0; $($arg),*)
     };
+    // `after_wait`: after a stream wait on another stream's (or rank's) event, which a
+    // programmatic launch need not honour: the kernel is launched plainly, so it starts only
+    // once everything queued before it has finished.
+    (after_wait $dev:expr, $f:expr, $grid:expr, $block:expr; $($arg:expr),* $(,)?) => {{
+        let dev: &CudaDevice = $dev;
+        dev.touch();
+        // SAFETY: as below, on the device's own stream.
+        let r = unsafe { result::launch_kernel($f, $grid, $block, 0, dev.stream, &mut [$(&mut { $arg } as *mut _ as *mut c_void),*]) };
+        if let Err(e) = r {
+            panic!("CUDA kernel launch failed on {}: {e:?}", dev.name);
+        }
+    }};
     ($dev:expr, $f:expr, $grid:expr, $block:expr, smem = $smem:expr; $($arg:expr),* $(,)?) => {
         launch!($dev, $f, $grid, $block, smem = $smem, cluster = 1; $($arg),*)
     };

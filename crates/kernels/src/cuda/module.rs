@@ -56,6 +56,7 @@ pub(super) struct Kernels {
     /// A tensor-parallel rank's part of an all-reduce, and the logits' all-gather (`collective.cu`).
     pub(super) tp_all_reduce: sys::CUfunction,
     pub(super) tp_all_gather_cols: sys::CUfunction,
+    pub(super) tp_fence: sys::CUfunction,
 }
 
 impl Kernels {
@@ -100,6 +101,7 @@ impl Kernels {
             logit_edits: f("logit_edits")?,
             tp_all_reduce: f("tp_all_reduce")?,
             tp_all_gather_cols: f("tp_all_gather_cols")?,
+            tp_fence: f("tp_fence")?,
         };
         for (i, &pf) in k.prefill_attention.iter().enumerate() {
             let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;

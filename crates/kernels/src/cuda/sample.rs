@@ -158,7 +158,11 @@ impl CudaDevice {
                 .unwrap_or_else(|e| panic!("{} waiting for rank 0's draws: {e:?}", self.name));
         }
         let outs = b.outs.ptr;
-        launch!(self, self.k.resolve_drawn, grid1(ids.len(), 256), (256, 1, 1); ptr, ids.len() as i32, outs);
+        if std::ptr::eq(src, self) {
+            launch!(self, self.k.resolve_drawn, grid1(ids.len(), 256), (256, 1, 1); ptr, ids.len() as i32, outs);
+        } else {
+            launch!(after_wait self, self.k.resolve_drawn, grid1(ids.len(), 256), (256, 1, 1); ptr, ids.len() as i32, outs);
+        }
         self.mark("resolve_drawn");
         ids
     }
