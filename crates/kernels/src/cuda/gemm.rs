@@ -115,7 +115,12 @@ impl CudaDevice {
             && sh.out_dim() == w.rows
             && sh.max_rank <= GEMV_LORA_MAX_RANK
             && !matches!(epilogue, Epilogue::RopeQk { table, .. } if table.rotary_dim != table.head_dim)
-            && !(self.lora_row1_beside && self.lora_side.is_some() && matches!(epilogue, Epilogue::Residual { .. }));
+            && !(self.lora_side.is_some()
+                && match self.lora_row1 {
+                    lora::Row1Lora::Fold => false,
+                    lora::Row1Lora::BesideResidual => matches!(epilogue, Epilogue::Residual { .. }),
+                    lora::Row1Lora::Beside => true,
+                });
         if let Some(t) = ahead {
             if !fold {
                 // The norm computed the shrink: the expand right after the GEMM, then the epilogue.
@@ -160,24 +165,36 @@ impl CudaDevice {
         }
         let out = call.shape().out_dim();
         let beside_all = self.lora_side.is_some() && call.groups.rows <= DELTA_BESIDE_MAX_ROWS && out == w.rows;
+        // The whole delta in one launch where the site fits it (`lora_rows.rs`).
+        let rows_kernel = self.lora_rows_kernel(call, m);
         match epilogue {
             Epilogue::Residual { resid } if beside_all => {
                 let target = buf(resid);
-                self.beside(|| {
-                    if let Some(l) = self.lora_shrink_launch(call, LoraX::Dense(x)) {
-                        self.lora_expand_launch(&l, target);
+                self.beside(|| match rows_kernel {
+                    Some(f) => self.lora_rows_launch(f, call, x, m, target, true),
+                    None => {
+                        if let Some(l) = self.lora_shrink_launch(call, LoraX::Dense(x)) {
+                            self.lora_expand_launch(&l, target);
+                        }
                     }
                 });
                 self.matmul_impl(x, m, w, bias, y);
                 self.join_side();
             }
             Epilogue::RopeQk { .. } | Epilogue::SiluMul { .. } if beside_all => {
-                let (delta, _) = self.beside(|| {
-                    let d = self.lora_delta_zeroed(m, out);
-                    if let Some(l) = self.lora_shrink_launch(call, LoraX::Dense(x)) {
-                        self.lora_expand_launch(&l, d);
+                let (delta, _) = self.beside(|| match rows_kernel {
+                    Some(f) => {
+                        let d = self.lora_delta(m, out);
+                        self.lora_rows_launch(f, call, x, m, d, false);
+                        d
                     }
-                    d
+                    None => {
+                        let d = self.lora_delta_zeroed(m, out);
+                        if let Some(l) = self.lora_shrink_launch(call, LoraX::Dense(x)) {
+                            self.lora_expand_launch(&l, d);
+                        }
+                        d
+                    }
                 });
                 self.matmul_impl(x, m, w, bias, y);
                 self.join_side();
@@ -186,6 +203,12 @@ impl CudaDevice {
                     Epilogue::SiluMul { out } => self.silu_mul_plus(y, delta, m, w.rows / 2, out),
                     _ => unreachable!(),
                 }
+            }
+            _ if rows_kernel.is_some() && out == w.rows => {
+                // No side stream (or a fused epilogue it does not take): the delta after the GEMM.
+                self.matmul_impl(x, m, w, bias, y);
+                self.lora_rows_launch(rows_kernel.unwrap(), call, x, m, buf(y), true);
+                epilogue.run(self, y, m, w);
             }
             _ => {
                 let (shrink, beside) = self.beside(|| self.lora_shrink_launch(call, LoraX::Dense(x)));

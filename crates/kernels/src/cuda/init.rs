@@ -62,24 +62,38 @@ impl CudaDevice {
         let pdl = maj >= 9 && std::env::var_os("QUIVER_CUDA_PDL").is_none_or(|v| v != "0");
         let fuse_epilogues = std::env::var_os("QUIVER_CUDA_FUSE_EPILOGUES").is_none_or(|v| v != "0");
         let profiler_on = profiler.is_some();
-        // The shrink in the norm from 2 rows (one-row steps measured 1-4 points slower with it
-        // on the H200 than the GEMV computing its own shrink); `1` from one row, `0` never.
+        // The whole delta of a decode step's site in one launch beside its GEMM (lora_rows.rs)
+        // in steps of up to this many rows (0: never; `QUIVER_CUDA_LORA_ROWS=0` too).
+        let lora_rows_max = match std::env::var("QUIVER_CUDA_LORA_ROWS_MAX") {
+            Err(_) => lora_rows::DEFAULT_MAX_ROWS,
+            Ok(v) => v.parse::<usize>().map(|n| n.min(lora::DELTA_BESIDE_MAX_ROWS)).unwrap_or_else(|_| {
+                tracing::warn!("QUIVER_CUDA_LORA_ROWS_MAX={v:?} is not a row count: {} (the default)", lora_rows::DEFAULT_MAX_ROWS);
+                lora_rows::DEFAULT_MAX_ROWS
+            }),
+        };
+        let lora_rows_max = if maj >= 9 && std::env::var_os("QUIVER_CUDA_LORA_ROWS").is_none_or(|v| v != "0") { lora_rows_max } else { 0 };
+        // The shrink in the norm: by default in the steps the one-launch delta leaves (it measured
+        // cheaper beside the GEMM, session 21), from 2 rows without it (one-row steps measured 1-4
+        // points slower with it on the H200 than the GEMV computing its own shrink); `1` / `2`
+        // from one / two rows, `0` never.
         let lora_ahead_min_rows = match std::env::var("QUIVER_CUDA_LORA_AHEAD").as_deref() {
             Ok("0") => None,
             Ok("1") => Some(1),
-            Err(_) => Some(2),
+            Ok("2") => Some(2),
+            Err(_) => Some(lora_rows_max.max(1) + 1),
             Ok(v) => {
-                tracing::warn!("QUIVER_CUDA_LORA_AHEAD={v:?} is neither 0 nor 1: from two rows (the default)");
-                Some(2)
+                tracing::warn!("QUIVER_CUDA_LORA_AHEAD={v:?} is not 0, 1 or 2: the default");
+                Some(lora_rows_max.max(1) + 1)
             }
         }
         .filter(|_| maj >= 9);
-        let lora_row1_beside = match std::env::var("QUIVER_CUDA_LORA_ROW1").as_deref() {
-            Ok("beside") => true,
-            Ok("fold") | Err(_) => false,
+        let lora_row1 = match std::env::var("QUIVER_CUDA_LORA_ROW1").as_deref() {
+            Ok("beside") => lora::Row1Lora::BesideResidual,
+            Ok("rows") => lora::Row1Lora::Beside,
+            Ok("fold") | Err(_) => lora::Row1Lora::Fold,
             Ok(v) => {
-                tracing::warn!("QUIVER_CUDA_LORA_ROW1={v:?} is neither fold nor beside: folding (the default)");
-                false
+                tracing::warn!("QUIVER_CUDA_LORA_ROW1={v:?} is not fold, beside or rows: folding (the default)");
+                lora::Row1Lora::Fold
             }
         };
         // Decode attention by KV head from this many rows (`decode_attention.cu`); below it the
@@ -120,7 +134,8 @@ impl CudaDevice {
             on_side: Default::default(),
             lora_ahead_min_rows,
             lora_ahead_launches: Default::default(),
-            lora_row1_beside,
+            lora_row1,
+            lora_rows_max,
             attn_gqa_min_rows,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),
             draw_source: None,

@@ -216,6 +216,17 @@ pub(super) struct LoraGeometry {
     pub(super) pairs_per_row: usize,
 }
 
+/// Where a one-row step computes a site's LoRA delta.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Row1Lora {
+    /// In the single-row GEMV (`fold`, the default).
+    Fold,
+    /// o_proj's and down_proj's beside the GEMV, into the residual (`beside`); the others folded.
+    BesideResidual,
+    /// Every site's beside the GEMV (`rows`), its epilogue after it.
+    Beside,
+}
+
 /// Steps of at most this many rows compute a site's whole delta beside its GEMM (on the side
 /// stream, into the residual or a delta buffer the epilogue adds); longer ones expand into the
 /// output after the GEMM (a `rows × out` delta buffer would be 235 MB at a 2048-row prefill).
@@ -242,12 +253,23 @@ impl CudaDevice {
     /// A zeroed `rows × out` delta buffer, zeroed on the side stream (call inside
     /// [`Self::beside`]); sized by `lora_reserve` before a step may be recorded.
     pub(super) fn lora_delta_zeroed(&self, rows: usize, out: usize) -> u64 {
+        let d = self.lora_delta(rows, out);
+        // SAFETY: a live buffer of this context, at least that long; a stream of this context.
+        unsafe { result::memset_d8_async(d, 0, rows * out * 4, self.current_stream()) }.unwrap_or_else(|e| panic!("LoRA delta on {}: {e:?}", self.name));
+        d
+    }
+
+    /// The `rows × out` delta buffer as it is (for a kernel that writes all of it).
+    pub(super) fn lora_delta(&self, rows: usize, out: usize) -> u64 {
         let st = self.state.lock().unwrap();
         assert!(st.lora_delta.bytes >= rows * out * 4, "LoRA delta buffer too small: stage_batch sizes it");
-        let stream = self.lora_side.as_ref().filter(|_| self.on_side.load(std::sync::atomic::Ordering::Relaxed)).map_or(self.stream, |s| s.stream);
-        // SAFETY: a live buffer of this context, at least that long; a stream of this context.
-        unsafe { result::memset_d8_async(st.lora_delta.ptr, 0, rows * out * 4, stream) }.unwrap_or_else(|e| panic!("LoRA delta on {}: {e:?}", self.name));
         st.lora_delta.ptr
+    }
+
+    /// The stream launches go to now: the side stream inside [`Self::beside`], else the
+    /// compute stream.
+    pub(super) fn current_stream(&self) -> sys::CUstream {
+        self.lora_side.as_ref().filter(|_| self.on_side.load(std::sync::atomic::Ordering::Relaxed)).map_or(self.stream, |s| s.stream)
     }
 
     /// Runs `f`'s launches on the side stream (if there is one), forked after the work queued
@@ -286,6 +308,12 @@ impl CudaDevice {
     }
 
     pub(super) fn lora_apply_impl(&self, call: &LoraCall<'_>, x: LoraX<'_>, y: &mut Tensor) {
+        if let LoraX::Dense(xd) = x {
+            let rows = call.groups.rows;
+            if let Some(f) = self.lora_rows_kernel(call, rows) {
+                return self.lora_rows_launch(f, call, xd, rows, buf(y), true);
+            }
+        }
         if let Some(l) = self.lora_shrink_launch(call, x) {
             self.lora_expand_launch(&l, buf(y));
         }

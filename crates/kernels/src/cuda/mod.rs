@@ -150,13 +150,16 @@ pub struct CudaDevice {
     on_side: std::sync::atomic::AtomicBool,
     /// Decode steps of at least this many rows compute qkv's and gate_up's LoRA shrink in the
     /// RMSNorm before them (sm_90 clusters; `QUIVER_CUDA_LORA_AHEAD`: see init.rs and
-    /// `lora_ahead.rs`); `None`: never.
+    /// `lora_ahead.rs`); `None`: never. By default the steps past `lora_rows_max`.
     lora_ahead_min_rows: Option<usize>,
     /// Norms launched with a site's shrink (eager or recorded; replays are not counted).
     lora_ahead_launches: std::sync::atomic::AtomicU64,
-    /// One-row steps compute o_proj's and down_proj's delta beside the GEMV, into the residual
-    /// (`QUIVER_CUDA_LORA_ROW1=beside`), instead of in it (`fold`, the default).
-    lora_row1_beside: bool,
+    /// Where one-row steps compute a site's delta (`QUIVER_CUDA_LORA_ROW1`).
+    lora_row1: lora::Row1Lora,
+    /// Steps of up to this many rows compute a site's delta as one launch (`lora_rows.rs`)
+    /// instead of a shrink and an expand (`QUIVER_CUDA_LORA_ROWS_MAX`: 64 by default, at most
+    /// 128; `QUIVER_CUDA_LORA_ROWS=0` or 0: never; sm_90).
+    lora_rows_max: usize,
     /// Long prompts' LoRA GEMMs write the delta before the base GEMM accumulates onto it
     /// (`QUIVER_CUDA_LORA_GEMM_FIRST=0`: after, accumulating): see `lora_gemm.rs`.
     lora_gemm_first: bool,
@@ -218,6 +221,7 @@ mod attention;
 mod logit_edits;
 mod lora;
 mod lora_ahead;
+mod lora_rows;
 mod lora_experts;
 mod lora_gemm;
 mod lora_pool;
@@ -291,10 +295,7 @@ impl CudaDevice {
     /// multiple of it).
     unsafe fn launch_raw(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, cluster: u32, params: &mut [*mut c_void]) -> Result<(), result::DriverError> {
         self.touch();
-        let stream = match &self.lora_side {
-            Some(side) if self.on_side.load(std::sync::atomic::Ordering::Relaxed) => side.stream,
-            _ => self.stream,
-        };
+        let stream = self.current_stream();
         if !self.pdl && cluster <= 1 {
             return result::launch_kernel(f, grid, block, smem, stream, params);
         }

@@ -555,8 +555,20 @@ pub fn norms_before_projections_match_cpu(dev: Arc<dyn Device>) {
                 let [gbase, _, _] = run(&*dev, &gh, &mut bg, false, &tg, None);
                 let ctx = format!("seed {seed} round {round} ({rows} rows, mix {mi}) layer {layer} {site:?}");
                 if cuda && key.is_none() {
-                    // From 2 rows by default, from 1 with QUIVER_CUDA_LORA_AHEAD=1 (cuda/init.rs).
-                    let min = if std::env::var("QUIVER_CUDA_LORA_AHEAD").as_deref() == Ok("1") { 1 } else { 2 };
+                    // cuda/init.rs: by default past the one-launch delta's steps (QUIVER_CUDA_LORA_ROWS_MAX,
+                    // 64; 0 with QUIVER_CUDA_LORA_ROWS=0), from 2 rows with QUIVER_CUDA_LORA_AHEAD=2,
+                    // from 1 with =1, never with =0.
+                    let var = |k: &str| std::env::var(k).ok();
+                    let rows_max = match var("QUIVER_CUDA_LORA_ROWS").as_deref() {
+                        Some("0") => 0,
+                        _ => var("QUIVER_CUDA_LORA_ROWS_MAX").and_then(|v| v.parse::<usize>().ok()).unwrap_or(64).min(128),
+                    };
+                    let min = match var("QUIVER_CUDA_LORA_AHEAD").as_deref() {
+                        Some("1") => 1,
+                        Some("2") => 2,
+                        Some("0") => usize::MAX,
+                        _ => rows_max.max(1) + 1,
+                    };
                     let took = ahead_count(&*dev) - before;
                     assert_eq!(took > 0, (min..=128).contains(&rows), "{ctx}: the norm computed the shrink {took} times");
                 }
