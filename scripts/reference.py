@@ -306,8 +306,8 @@ def tiny_family_configs(vocab):
     """Qwen3 (dense) and the mixture-of-experts families. head_dim 32 on tiny-qwen3 makes q wider
     than hidden (o_proj [64, 128]); tiny-qwen3moe has 16 experts, top 4, renormalised;
     tiny-qwen3moe-dense1 a dense middle layer (mlp_only_layers); tiny-qwen2moe a shared expert and
-    q/k/v biases."""
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    q/k/v biases; tiny-llama-bias HF Llama's attention_bias (q, k, v and o_proj biases) on heads of 8."""
+    from transformers import LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
     common = dict(TINY_COMMON, max_position_embeddings=2048, tie_word_embeddings=False)
     return {
         "tiny-qwen3": (Qwen3Config(vocab_size=vocab, rope_theta=1e6, rms_norm_eps=1e-6, head_dim=32,
@@ -327,6 +327,10 @@ def tiny_family_configs(vocab):
                                          num_experts_per_tok=2, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=64, norm_topk_prob=False,
                                          use_sliding_window=False, **common), 1007),
+        # HF Llama's attention_bias: q, k, v and o_proj biases; 8 heads of 8 dims (the smallest
+        # head_dim any model here has).
+        "tiny-llama-bias": (LlamaConfig(vocab_size=vocab, rope_theta=1e4, rms_norm_eps=1e-5, attention_bias=True,
+                                        **dict(common, num_attention_heads=8, head_dim=8)), 1010),
         "tiny-olmoe": (OlmoeConfig(vocab_size=vocab, rope_theta=1e4, rms_norm_eps=1e-5, num_experts=8,
                                    num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=None,
                                    **dict(common, intermediate_size=32)), 1008),

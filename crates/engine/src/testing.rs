@@ -88,6 +88,7 @@ pub fn tiny_model(tokenizer_gguf: &Path, seed: u64) -> Result<LoadedModel> {
             qkv_bias: None,
             qk_norm: None,
             o: w(h, q, 1.0 / (q as f32).sqrt()),
+            o_bias: None,
             mlp_norm: device.tensor_from(&vec![1.0; h]),
             mlp: Mlp::Dense { gate_up: w(2 * i, h, 1.0 / (h as f32).sqrt()), down: w(h, i, 1.0 / (i as f32).sqrt()) },
         });
@@ -194,7 +195,7 @@ pub fn random_model(config: ModelConfig, tokenizer: Tokenizer, device: std::sync
             }
             _ => Mlp::Dense { gate_up: w(2 * inter, h, 1.0 / (h as f32).sqrt(), dtype), down: w(h, inter, resid / (inter as f32).sqrt(), dtype) },
         };
-        layers.push(LayerWeights { attn_norm: ones(h), qkv, qkv_bias: None, qk_norm, o, mlp_norm: ones(h), mlp });
+        layers.push(LayerWeights { attn_norm: ones(h), qkv, qkv_bias: None, qk_norm, o, o_bias: None, mlp_norm: ones(h), mlp });
     }
     let embed = device.load_weight(Weight::from_f32(c.vocab_size, h, draw(c.vocab_size * h, 1.0), dtype));
     let lm_head = (c.has_lm_head && !c.tie_word_embeddings).then(|| device.load_weight(Weight::from_f32(c.vocab_size, h, draw(c.vocab_size * h, 1.0 / (h as f32).sqrt()), dtype)));
@@ -207,7 +208,7 @@ pub fn random_model(config: ModelConfig, tokenizer: Tokenizer, device: std::sync
 /// `quiver_model::loader::load_hf_weights` (which can split them over tensor-parallel ranks):
 /// linear weights with std 1/√in, the embedding (and a tied head) with std 1 as in
 /// [`tiny_model`], norm weights and biases drawn around 1 and 0 so that sharding them wrongly
-/// shows.
+/// shows. With `qkv_bias`, o_proj has a bias too, as HF Llama's `attention_bias` gives it.
 pub fn random_hf_weights(config: &ModelConfig, seed: u64) -> quiver_model::formats::memory::MemoryWeights {
     let c = config;
     let (h, q, kv, inter, nl) = (c.hidden_size, c.q_out(), c.kv_out(), c.intermediate_size, c.num_layers);
@@ -229,6 +230,10 @@ pub fn random_hf_weights(config: &ModelConfig, seed: u64) -> quiver_model::forma
             }
         }
         put(format!("{p}.self_attn.o_proj.weight"), &[h, q], 0.0, 1.0 / (q as f32).sqrt());
+        if c.qkv_bias {
+            // HF Llama's `attention_bias` puts a bias on o_proj too.
+            put(format!("{p}.self_attn.o_proj.bias"), &[h], 0.0, 0.1);
+        }
         put(format!("{p}.mlp.gate_proj.weight"), &[inter, h], 0.0, 1.0 / (h as f32).sqrt());
         put(format!("{p}.mlp.up_proj.weight"), &[inter, h], 0.0, 1.0 / (h as f32).sqrt());
         put(format!("{p}.mlp.down_proj.weight"), &[h, inter], 0.0, 1.0 / (inter as f32).sqrt());

@@ -60,6 +60,13 @@ fn tiny_mistral_matches_transformers() {
     check("ref/models/tiny-mistral", "ref/ref/tiny-mistral.json");
 }
 
+/// HF Llama with `attention_bias: true`: q, k, v *and* o_proj biases (o_proj's was dropped
+/// silently before session 21), on 8 heads of 8 dims.
+#[test]
+fn tiny_llama_attention_bias_small_heads_matches_transformers() {
+    check("ref/models/tiny-llama-bias", "ref/ref/tiny-llama-bias.json");
+}
+
 // ---- Qwen3 and the mixture-of-experts families (tiny random models from scripts/reference.py;
 // the GGUF copies hold the same weights in llama.cpp's layout, so they share the reference).
 

@@ -128,6 +128,10 @@ impl ModelConfig {
         if !v["clip_qkv"].is_null() {
             bail!("`clip_qkv` is not supported");
         }
+        if v["mlp_bias"].as_bool() == Some(true) {
+            // Biases on gate / up / down (HF Llama's `mlp_bias`) would otherwise be dropped.
+            bail!("`mlp_bias: true` (biases on the MLP projections) is not supported");
+        }
         let req = |k: &str| -> Result<usize> { v[k].as_u64().map(|x| x as usize).with_context(|| format!("missing or non-integer field `{k}`")) };
         let hidden = req("hidden_size")?;
         let num_heads = req("num_attention_heads")?;
@@ -442,5 +446,20 @@ mod tests {
         }
         let e = format!("{:#}", moe(None).unwrap_err());
         assert!(e.contains("num_experts") && e.contains("num_local_experts"), "{e}");
+    }
+
+    /// Llama's `attention_bias` turns the q / k / v biases on (o_proj's is read when the
+    /// checkpoint has it); `mlp_bias` is refused by name rather than dropped.
+    #[test]
+    fn llama_bias_flags() {
+        let mut v = base();
+        v["attention_bias"] = json!(true);
+        assert!(ModelConfig::from_hf_json(&v).unwrap().qkv_bias);
+        assert!(!ModelConfig::from_hf_json(&base()).unwrap().qkv_bias);
+        v["mlp_bias"] = json!(true);
+        let e = format!("{:#}", ModelConfig::from_hf_json(&v).unwrap_err());
+        assert!(e.contains("mlp_bias"), "{e}");
+        v["mlp_bias"] = json!(false);
+        assert!(ModelConfig::from_hf_json(&v).is_ok());
     }
 }

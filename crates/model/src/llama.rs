@@ -23,6 +23,10 @@ pub struct LayerWeights {
     /// RMSNorm of q and k before RoPE (Qwen3, OLMoE).
     pub qk_norm: Option<QkNorm>,
     pub o: Weight,
+    /// o_proj's bias (Llama-family checkpoints with `attention_bias: true` have one; Qwen2's
+    /// q/k/v biases come without). Under tensor parallelism only rank 0 holds it: o is
+    /// row-parallel, so the all-reduce adds it once.
+    pub o_bias: Option<Tensor>,
     pub mlp_norm: Tensor,
     pub mlp: Mlp,
 }
@@ -390,9 +394,9 @@ impl LlamaModel {
                 // stay in it for the all-reduce (`Residual` would let the device add it into the
                 // replicated residual on every rank).
                 match tp {
-                    None => lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, None, Epilogue::Residual { resid: &mut ws.x }, &mut ws.delta),
+                    None => lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, l.o_bias.as_ref(), Epilogue::Residual { resid: &mut ws.x }, &mut ws.delta),
                     Some(t) => {
-                        lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, None, Epilogue::Plain, &mut ws.delta);
+                        lora.project(d, li, LinearSite::O, &ws.attn, m, &l.o, l.o_bias.as_ref(), Epilogue::Plain, &mut ws.delta);
                         t.comm.all_reduce_sum(&mut ws.delta, m * h);
                     }
                 }

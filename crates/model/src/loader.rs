@@ -248,6 +248,15 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
         } else {
             None
         };
+        // o_proj's bias where the checkpoint has one (HF Llama's `attention_bias` covers o_proj
+        // too); rank 0's alone under tensor parallelism (its all-reduce adds it once).
+        let o_bias_name = names.layer(i, "o", "bias");
+        let o_bias = if src.contains(&o_bias_name) {
+            let b = load(src, &o_bias_name, &[h])?;
+            (sh.rank == 0).then(|| device.tensor_from(&b))
+        } else {
+            None
+        };
         let qk_norm = match c.qk_norm {
             None => None,
             Some(kind) => {
@@ -272,6 +281,7 @@ fn build(src: &dyn WeightSource, names: Names, config: ModelConfig, device: Arc<
             qkv_bias,
             qk_norm,
             o: wt(h, sh.q.len(), take_cols(l("o", &[h, q])?, q, sh.q.clone())),
+            o_bias,
             mlp_norm: device.tensor_from(&l("mlp_norm", &[h])?),
             mlp,
         });
