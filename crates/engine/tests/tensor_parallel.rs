@@ -225,7 +225,8 @@ fn cuda_tensor_parallel_equals_unsharded_with_adapters() {
 /// The unsharded tiny model on the GPU against the CPU, one property of the TP test's model
 /// changed at a time: session 21 found CUDA's TP 1 run of that model (f32, head_dim 8, KV blocks
 /// of 4 tokens, q/k/v biases) 4.0 off the CPU's logits, a single-device fault the TP checks
-/// inherit; which variant agrees tells where it is. Every variant must agree within 1e-2.
+/// inherit; which variant agrees tells where it is. Every variant must agree within 1e-2 (0.1
+/// with bf16 weights).
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-tp.sh"]
@@ -250,7 +251,8 @@ fn cuda_unsharded_tiny_models_match_the_cpu() {
         let per_step: Vec<String> = cpu.iter().zip(&gpu).map(|(a, b)| format!("{:.1e}", max_diffs(&[a.clone()], &[b.clone()], c.vocab_size).0)).collect();
         let (dl, _) = max_diffs(&cpu, &gpu, c.vocab_size);
         println!("tiny model, {name}: CUDA against the CPU, |Δlogit| by step [{}]", per_step.join(", "));
-        if dl > 1e-2 {
+        // bf16 weights: CUDA's GEMMs also round their inputs to bf16, the CPU's do not.
+        if dl > if bf16 { 0.1 } else { 1e-2 } {
             bad.push(format!("{name}: {dl}"));
         }
     }
