@@ -158,7 +158,7 @@ impl ModelConfig {
             }
             _ => None,
         };
-        let cfg = ModelConfig {
+        let mut cfg = ModelConfig {
             arch,
             vocab_size: req("vocab_size")?,
             hidden_size: hidden,
@@ -185,6 +185,21 @@ impl ModelConfig {
             moe: hf_moe(v, arch)?,
             has_lm_head,
         };
+        // Sliding-window attention (Mistral v0.1's `sliding_window`; Qwen's when
+        // `use_sliding_window`) is not implemented: within the window full attention is the same
+        // thing, so the context stops at the window instead of silently attending past it.
+        let window = match arch {
+            Arch::Mistral | Arch::Mixtral => v["sliding_window"].as_u64(),
+            _ if v["use_sliding_window"].as_bool() == Some(true) => v["sliding_window"].as_u64(),
+            _ => None,
+        };
+        if let Some(w) = window.map(|w| w as usize).filter(|&w| w > 0 && w < cfg.max_position_embeddings) {
+            tracing::warn!(
+                "the model attends through a sliding window of {w} tokens, which Quiver does not implement: contexts stop at {w} tokens (max_position_embeddings {})",
+                cfg.max_position_embeddings
+            );
+            cfg.max_position_embeddings = w;
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -446,6 +461,30 @@ mod tests {
         }
         let e = format!("{:#}", moe(None).unwrap_err());
         assert!(e.contains("num_experts") && e.contains("num_local_experts"), "{e}");
+    }
+
+    /// A sliding window caps the context at its width (full attention is the same within it);
+    /// Qwen's counts only with `use_sliding_window`, and a window no narrower than the context
+    /// changes nothing.
+    #[test]
+    fn sliding_windows_cap_the_context() {
+        let mut m = base();
+        m["architectures"] = json!(["MistralForCausalLM"]);
+        m["max_position_embeddings"] = json!(32768);
+        m["sliding_window"] = json!(4096);
+        assert_eq!(ModelConfig::from_hf_json(&m).unwrap().max_position_embeddings, 4096);
+        m["sliding_window"] = json!(null);
+        assert_eq!(ModelConfig::from_hf_json(&m).unwrap().max_position_embeddings, 32768);
+        let mut q = base();
+        q["architectures"] = json!(["Qwen2ForCausalLM"]);
+        q["max_position_embeddings"] = json!(32768);
+        q["sliding_window"] = json!(4096);
+        q["use_sliding_window"] = json!(false);
+        assert_eq!(ModelConfig::from_hf_json(&q).unwrap().max_position_embeddings, 32768);
+        q["use_sliding_window"] = json!(true);
+        assert_eq!(ModelConfig::from_hf_json(&q).unwrap().max_position_embeddings, 4096);
+        q["sliding_window"] = json!(131072);
+        assert_eq!(ModelConfig::from_hf_json(&q).unwrap().max_position_embeddings, 32768);
     }
 
     /// Llama's `attention_bias` turns the q / k / v biases on (o_proj's is read when the
