@@ -44,10 +44,7 @@ fn config(num_kv_heads: usize, tied: bool, qkv_bias: bool) -> ModelConfig {
 }
 
 fn load(weights: &MemoryWeights, c: &ModelConfig, tp: usize, device: DeviceKind) -> LlamaModel {
-    // Diagnosis on a GPU: QUIVER_TEST_TP_DTYPE=bf16 runs the same checks on bf16 weights (they
-    // then fail the f32 bound, but the printed differences and the repeat check still tell).
-    let dtype = if std::env::var("QUIVER_TEST_TP_DTYPE").as_deref() == Ok("bf16") { DType::Bf16 } else { DType::F32 };
-    load_hf_weights(weights, c.clone(), open_device(device).unwrap(), dtype, tp).unwrap_or_else(|e| panic!("TP {tp} on {device}: {e:#}"))
+    load_hf_weights(weights, c.clone(), open_device(device).unwrap(), DType::F32, tp).unwrap_or_else(|e| panic!("TP {tp} on {device}: {e:#}"))
 }
 
 /// Prompt lengths of the batch's sequences, and which adapter each uses (None: base rows).
@@ -126,6 +123,11 @@ fn max_diffs(a: &[Vec<f32>], b: &[Vec<f32>], vocab: usize) -> (f32, f32) {
     (dl, dp)
 }
 
+/// Each step's largest |Δlogit| between two runs, for printing.
+fn by_step(a: &[Vec<f32>], b: &[Vec<f32>], vocab: usize) -> String {
+    a.iter().zip(b).map(|(x, y)| format!("{:.1e}", max_diffs(std::slice::from_ref(x), std::slice::from_ref(y), vocab).0)).collect::<Vec<_>>().join(", ")
+}
+
 /// Runs every case of `configs` at TP = 1, 2, 4 on `device` and checks the sharded runs
 /// against TP = 1 within `tolerance` (on logits up to 10, relative beyond).
 fn check(adapters: bool, device: DeviceKind, tolerance: f32) {
@@ -157,8 +159,7 @@ fn check(adapters: bool, device: DeviceKind, tolerance: f32) {
             // a sharding bug.
             let cpu = run(&load(&weights, &c, 1, DeviceKind::Cpu), &paths);
             let (dl, _) = max_diffs(&cpu, &reference, c.vocab_size);
-            let per_step: Vec<String> = cpu.iter().zip(&reference).map(|(a, b)| format!("{:.1e}", max_diffs(&[a.clone()], &[b.clone()], c.vocab_size).0)).collect();
-            println!("{device} TP 1 against the CPU: |Δlogit| by step [{}]", per_step.join(", "));
+            println!("{device} TP 1 against the CPU: |Δlogit| by step [{}]", by_step(&cpu, &reference, c.vocab_size));
             assert!(dl <= 1e-2, "TP 1 on {device} differs from the CPU by {dl}");
         }
         if adapters {
@@ -172,11 +173,11 @@ fn check(adapters: bool, device: DeviceKind, tolerance: f32) {
             let scale = reference.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
             // Per step (0 is the prefill) and per row: where a sharded run goes wrong tells a
             // collective's ordering bug (whole rows) from arithmetic (every row a little).
-            let per_step: Vec<String> = reference.iter().zip(&got).map(|(r, g)| format!("{:.1e}", max_diffs(&[r.clone()], &[g.clone()], c.vocab_size).0)).collect();
+            let per_step = by_step(&reference, &got, c.vocab_size);
             // The collectives sum in rank order, so a sharded run repeats bit for bit.
             let again = run(&load(&weights, &c, tp, device), &paths);
             let repeat = max_diffs(&got, &again, c.vocab_size).0;
-            println!("{device}: TP {tp} |Δlogit| by step [{}], between two TP {tp} runs {repeat:.1e}", per_step.join(", "));
+            println!("{device}: TP {tp} |Δlogit| by step [{per_step}], between two TP {tp} runs {repeat:.1e}");
             assert!(repeat == 0.0, "two TP {tp} runs on {device} differ by {repeat}");
             println!("{device}: kv_heads {kv_heads} tied {tied} bias {bias} adapters {adapters} TP {tp}: max |logit| {scale:.1}, max |Δlogit| {dl:.3e}, max |Δlogprob| {dp:.3e}");
             // f32 reordering errors scale with the values summed: an absolute bound of 1e-5
@@ -248,9 +249,8 @@ fn cuda_unsharded_tiny_models_match_the_cpu() {
         let dtype = if bf16 { DType::Bf16 } else { DType::F32 };
         let on = |device| load_hf_weights(&weights, c.clone(), open_device(device).unwrap(), dtype, 1).unwrap_or_else(|e| panic!("{name}: {e:#}"));
         let (cpu, gpu) = (run_blocks(&on(DeviceKind::Cpu), &[], block), run_blocks(&on(DeviceKind::Cuda(0)), &[], block));
-        let per_step: Vec<String> = cpu.iter().zip(&gpu).map(|(a, b)| format!("{:.1e}", max_diffs(&[a.clone()], &[b.clone()], c.vocab_size).0)).collect();
         let (dl, _) = max_diffs(&cpu, &gpu, c.vocab_size);
-        println!("tiny model, {name}: CUDA against the CPU, |Δlogit| by step [{}]", per_step.join(", "));
+        println!("tiny model, {name}: CUDA against the CPU, |Δlogit| by step [{}]", by_step(&cpu, &gpu, c.vocab_size));
         // bf16 weights: CUDA's GEMMs also round their inputs to bf16, the CPU's do not.
         if dl > if bf16 { 0.1 } else { 1e-2 } {
             bad.push(format!("{name}: {dl}"));
