@@ -30,8 +30,10 @@ fn check(model_rel: &str, ref_rel: &str) {
             true
         })
         .unwrap();
-        assert_eq!(out, case.continuation_ids, "{model_rel} case {}: greedy continuation differs", case.name);
-        eprintln!("{model_rel} {}: {} positions, max |Δlogprob| {d:.2e}", case.name, all.len());
+        // Two picks whose reference logprobs are within the logprob tolerance may swap.
+        let tie = greedy_matches_up_to_near_tie(case, &out, 2.0 * TOL, model_rel);
+        let tie = tie.map(|(i, gap)| format!(", greedy goes apart at token {i} at a near-tie ({gap:.1e})")).unwrap_or_default();
+        eprintln!("{model_rel} {}: {} positions, max |Δlogprob| {d:.2e}{tie}", case.name, all.len());
     }
 }
 
