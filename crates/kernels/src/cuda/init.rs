@@ -136,7 +136,6 @@ impl CudaDevice {
             lora_ahead_launches: Default::default(),
             lora_row1,
             lora_rows_max,
-            lora_rows_share_min: lora_rows::share_min_rows(),
             attn_gqa_min_rows,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),
             draw_source: None,

@@ -11,11 +11,14 @@
 //! `rows × cluster` whatever the adapters, and a recorded step replays under any mix. Each row
 //! reads its slot's A and Bᵀ (from L2 when rows share an adapter): by 64 rows that is ~40 MB a
 //! site of the 8B shape, and at 128 rows the tiled kernels win, so the kernel runs in steps of
-//! up to [`DEFAULT_MAX_ROWS`] (`QUIVER_CUDA_LORA_ROWS_MAX`). A second form
-//! (`lora_rows_shared_*`) gives a cluster up to four rows of one adapter (a tile of the step's
-//! grouping), each A and Bᵀ load serving all of them, the rows' inputs held in registers (a first
-//! try that staged them in shared memory measured 2–3× slower per site at 16–128 rows); a row's
-//! sums are the same either way.
+//! up to [`DEFAULT_MAX_ROWS`] (`QUIVER_CUDA_LORA_ROWS_MAX`). Sharing each load between a
+//! cluster's rows of one adapter was tried twice and dropped: up to four rows a cluster with x
+//! staged in shared memory measured 2–3× slower per site at 16–128 rows (session 21); with the
+//! rows' inputs in registers (a sub-tile of the grouping per cluster, session 22, H100) one
+//! adapter at 64 rows went 20.8 → 19.7 µs a site but 16 rows 8.0 → 9.4, 16 adapters at 16 rows
+//! 11.0 → 17.8 and 64 adapters at 64 rows 29.9 → 48.2 (four rows' registers cost occupancy),
+//! and the step cost was no better anywhere (64 rows, one adapter: +20.9% → +20.3%). Re-reading
+//! the adapter from L2 is not what bounds this kernel.
 
 use super::*;
 use crate::lora::LoraCall;
@@ -34,26 +37,6 @@ const MAX_WIDTH: usize = 192;
 /// megabytes of Bᵀ a row) keeps the tiled expand, which reads it once per tile.
 const MAX_OUT: usize = 65536;
 
-/// Steps of at least this many rows take the kernel that gives a cluster several rows of one
-/// adapter (`lora_rows_shared_*`, rows in registers), unless `QUIVER_CUDA_LORA_ROWS_SHARE`
-/// names another count (`0`: never). Off until a device measures it faster.
-const DEFAULT_SHARE_MIN_ROWS: usize = usize::MAX;
-
-/// `QUIVER_CUDA_LORA_ROWS_SHARE`, or the default.
-pub(super) fn share_min_rows() -> usize {
-    match std::env::var("QUIVER_CUDA_LORA_ROWS_SHARE") {
-        Err(_) => DEFAULT_SHARE_MIN_ROWS,
-        Ok(v) => match v.parse::<usize>() {
-            Ok(0) => usize::MAX,
-            Ok(n) => n,
-            Err(_) => {
-                tracing::warn!("QUIVER_CUDA_LORA_ROWS_SHARE={v:?} is not a row count: the default");
-                DEFAULT_SHARE_MIN_ROWS
-            }
-        },
-    }
-}
-
 impl CudaDevice {
     /// The `lora_rows` kernel for `call` over `rows` rows, or `None` when the site does not fit
     /// it (the caller takes the shrink and the expand).
@@ -63,13 +46,8 @@ impl CudaDevice {
         if rows == 0 || rows > self.lora_rows_max || call.groups.rows != rows || !sh.in_dim.is_multiple_of(8 * cl) || sh.shrink_width() > MAX_WIDTH || sh.out_dim() > MAX_OUT {
             return None;
         }
-        // 16-byte chunks per lane of a block's slice of the inputs; the shared-rows kernels hold
-        // 4 or 2 rows' worth, so the widest inputs (8 chunks) keep a row to a cluster.
-        let share = rows >= self.lora_rows_share_min;
+        // 16-byte chunks per lane of a block's slice of the inputs.
         match (sh.in_dim / cl / 8).div_ceil(32) {
-            1 if share => Some(self.k.lora_rows_shared[0]),
-            2 if share => Some(self.k.lora_rows_shared[1]),
-            3 | 4 if share => Some(self.k.lora_rows_shared[2]),
             1 => Some(self.k.lora_rows[0]),
             2 => Some(self.k.lora_rows[1]),
             3 | 4 => Some(self.k.lora_rows[2]),

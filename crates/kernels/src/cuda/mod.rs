@@ -160,9 +160,6 @@ pub struct CudaDevice {
     /// instead of a shrink and an expand (`QUIVER_CUDA_LORA_ROWS_MAX`: 64 by default, at most
     /// 128; `QUIVER_CUDA_LORA_ROWS=0` or 0: never; sm_90).
     lora_rows_max: usize,
-    /// From this many rows the one-launch delta takes rows of one adapter several to a cluster
-    /// (`QUIVER_CUDA_LORA_ROWS_SHARE`; `lora_rows.rs`).
-    lora_rows_share_min: usize,
     /// Long prompts' LoRA GEMMs write the delta before the base GEMM accumulates onto it
     /// (`QUIVER_CUDA_LORA_GEMM_FIRST=0`: after, accumulating): see `lora_gemm.rs`.
     lora_gemm_first: bool,

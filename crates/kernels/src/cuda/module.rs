@@ -52,8 +52,6 @@ pub(super) struct Kernels {
     pub(super) rms_norm_shrink: [sys::CUfunction; 3],
     /// A LoRA site's whole delta row by row, 1 / 2 / 4 / 8 input chunks a lane (`lora_rows.cu`).
     pub(super) lora_rows: [sys::CUfunction; 4],
-    /// The same, rows of one adapter 4 / 4 / 2 to a cluster at 1 / 2 / 4 chunks a lane.
-    pub(super) lora_rows_shared: [sys::CUfunction; 3],
     pub(super) sample_rows: sys::CUfunction,
     pub(super) resolve_drawn: sys::CUfunction,
     pub(super) logit_edits: sys::CUfunction,
@@ -101,7 +99,6 @@ impl Kernels {
             lora_expert_group: f("lora_expert_group")?,
             rms_norm_shrink: [f("rms_norm_shrink_1")?, f("rms_norm_shrink_2")?, f("rms_norm_shrink_4")?],
             lora_rows: [f("lora_rows_1")?, f("lora_rows_2")?, f("lora_rows_4")?, f("lora_rows_8")?],
-            lora_rows_shared: [f("lora_rows_shared_1_4")?, f("lora_rows_shared_2_4")?, f("lora_rows_shared_4_2")?],
             sample_rows: f("sample_rows")?,
             resolve_drawn: f("resolve_drawn")?,
             logit_edits: f("logit_edits")?,
