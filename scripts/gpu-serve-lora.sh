@@ -7,8 +7,8 @@
 # tokens in, 128 out, --ignore-eos. Prints output tok/s, median TPOT and p99 TTFT per run and the
 # ratio of each adapter run to base at the same concurrency (measured seconds apart, one server).
 #
-#   SERVE_ADAPTERS   adapter counts besides 1 (default "16")
-#   SERVE_CONC       concurrencies (default "1 16 64")
+#   SERVE_ADAPTERS   adapter counts besides 1 (default "4 16 64": issue 19's sweep)
+#   SERVE_CONC       concurrencies (default "1 16 64 256": issue 19's sweep; ~4 min on an H100)
 #   SERVE_PROMPTS    prompts per run = max(8, this × concurrency) (default 2)
 #   SERVE_PROFILE=1  the server prints where its engine thread's time goes (QUIVER_ENGINE_PROFILE);
 #                    each run's lines follow a marker in the server log, and are printed at the end
@@ -19,8 +19,8 @@ OUT=${OUT:-$PWD/gpu-out}
 LOGS=$DATA/logs
 mkdir -p "$OUT" "$LOGS" "$DATA/serve"
 . scripts/gpu-env.sh
-counts=${SERVE_ADAPTERS:-16}
-concs=${SERVE_CONC:-1 16 64}
+counts=${SERVE_ADAPTERS:-4 16 64}
+concs=${SERVE_CONC:-1 16 64 256}
 per=${SERVE_PROMPTS:-2}
 max_ads=1; for n in $counts; do [ "$n" -gt "$max_ads" ] && max_ads=$n; done
 max_conc=1; for c in $concs; do [ "$c" -gt "$max_conc" ] && max_conc=$c; done
