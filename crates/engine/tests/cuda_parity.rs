@@ -22,7 +22,7 @@
 
 mod common;
 
-use common::{alone, assert_routing_excuses_bounded, check_mixed_routed, gpu_data_dir, max_logprob_delta, oracle_manager, print_excused, prompt, require, routed_deltas, top20_case, RefCase, RefFile, ROUTER_NEAR_TIE};
+use common::{alone, assert_routing_excuses_bounded, check_mixed_routed, first_divergence, gpu_data_dir, greedy_divergence, max_logprob_delta, oracle_manager, print_excused, prompt, require, routed_deltas, top20_case, RefCase, RefFile, ROUTER_NEAR_TIE};
 use quiver_engine::testing::{temp_dir, write_random_adapter};
 use quiver_engine::{BaseOnly, Engine, EngineConfig, GenerateRequest, Generator};
 use quiver_kernels::{open_device, DType, DeviceKind};
@@ -55,10 +55,6 @@ fn read_ref(name: &str) -> RefFile {
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
 }
 
-fn first_divergence(a: &[u32], b: &[u32]) -> Option<usize> {
-    a.iter().zip(b).position(|(x, y)| x != y).or((a.len() != b.len()).then_some(a.len().min(b.len())))
-}
-
 /// Scores every case against its reference top-20 and compares greedy continuations with the
 /// reference's; prints one line per case and asserts the tolerances.
 fn check_cases(label: &str, lm: &LoadedModel, cases: &[RefCase]) {
@@ -77,21 +73,16 @@ fn check_cases(label: &str, lm: &LoadedModel, cases: &[RefCase]) {
         excused.extend(r.excused);
         positions += all.len();
         let got = alone(&lm.model, None, &case.prompt_ids, case.continuation_ids.len(), &[]);
-        let div = first_divergence(&got, &case.continuation_ids);
+        // At a divergence, how far apart the reference put its token and ours: a gap under the
+        // bf16 error (max |Δlogprob|) is a near-tie that any rounding can flip.
+        let div = greedy_divergence(case, &got);
         if div.is_none() {
             same += 1;
         }
-        // At a divergence, how far apart the reference put its token and ours: a gap under the
-        // bf16 error (max |Δlogprob|) is a near-tie that any rounding can flip.
-        let gap = |p: usize| {
-            let row = case.prompt_ids.len() + p - 1;
-            let lp_of = |t: u32| case.top_ids[row].iter().position(|&x| x == t).map(|i| case.top_logprobs[row][i]);
-            match (lp_of(case.continuation_ids[p]), lp_of(got[p])) {
-                (Some(a), Some(b)) => format!("{:.4}", a - b),
-                _ => "over the top-20".to_string(),
-            }
-        };
-        let verdict = div.map_or("identical".to_string(), |p| if p < got.len() && p < case.continuation_ids.len() { format!("diverges at token {p} (reference's logprob gap there {})", gap(p)) } else { format!("diverges at token {p}") });
+        let verdict = div.map_or("identical".to_string(), |(p, gap)| match gap {
+            Some(g) => format!("diverges at token {p} (reference's logprob gap there {g:.4})"),
+            None => format!("diverges at token {p} (over the reference's top-20 or past its end)"),
+        });
         eprintln!("{label} {}: {} positions, max |Δlogprob| {d:.4} at {pos}, greedy {verdict}", case.name, all.len());
         worst = worst.max(d);
         deltas.push(d);
@@ -229,15 +220,10 @@ fn assert_adapter_greedy_matches(m: &quiver_model::LlamaModel, mgr: &mut LoraMan
     let (mut same, mut at_ties) = (0, 0);
     for c in cases {
         let got = alone(m, Some((&mut *mgr, key)), &c.prompt_ids, c.continuation_ids.len(), &[]);
-        match first_divergence(&got, &c.continuation_ids) {
+        match greedy_divergence(c, &got) {
             None => same += 1,
-            Some(p) => {
+            Some((p, gap)) => {
                 let row = c.prompt_ids.len() + p - 1;
-                let lp = |t: u32| c.top_ids[row].iter().position(|&x| x == t).map(|j| c.top_logprobs[row][j]);
-                let gap = match (lp(c.continuation_ids[p]), got.get(p).and_then(|&t| lp(t))) {
-                    (Some(a), Some(b)) => Some(a - b),
-                    _ => None,
-                };
                 // MoE: the row that chose the token had its router at a near-tie.
                 let margin = c.router_margin.get(row).copied();
                 if gap.is_some_and(|g| g <= TOL) || margin.is_some_and(|m| m < ROUTER_NEAR_TIE) {

@@ -85,25 +85,28 @@ pub fn max_logprob_delta(case: &RefCase, logits: &[f32], vocab: usize) -> (f32, 
     worst_of(logprob_deltas(case, logits, vocab).into_iter().enumerate())
 }
 
-/// A greedy continuation against the reference's: identical, or identical up to a position where
-/// the two picks are a near-tie in the reference itself (its logprobs for them within `near_tie`
-/// at that position, both among its top tokens), after which the texts may go apart. The
-/// reference's own greedy run and its teacher-forced scoring can disagree there (tiny-llama-bias
-/// numbers-plain, token 19: 4e-5 apart), so an exact check would test rounding, not the model.
-/// Returns the divergence (token index, reference gap) if there is one.
-pub fn greedy_matches_up_to_near_tie(case: &RefCase, out: &[u32], near_tie: f32, label: &str) -> Option<(usize, f32)> {
+/// Where greedy tokens `a` first leave `b` (a difference in length counts).
+pub fn first_divergence(a: &[u32], b: &[u32]) -> Option<usize> {
+    a.iter().zip(b).position(|(x, y)| x != y).or((a.len() != b.len()).then_some(a.len().min(b.len())))
+}
+
+/// Where greedy `got` first leaves the case's reference continuation: that token's index, and
+/// the reference's logprob of its own pick minus its logprob of ours at that position (`None`
+/// when ours is outside its top tokens or one run stopped early). A gap within the logprob
+/// error is a near-tie any rounding may flip; the reference's own greedy run and its
+/// teacher-forced scoring can already disagree there (tiny-llama-bias numbers-plain, token 19:
+/// 4e-5 apart).
+pub fn greedy_divergence(case: &RefCase, got: &[u32]) -> Option<(usize, Option<f32>)> {
     let want = &case.continuation_ids;
-    let Some(i) = (0..want.len()).find(|&i| out.get(i) != Some(&want[i])) else { return None };
-    // Logits row `prompt + i - 1` predicts continuation token i.
-    let pos = case.prompt_ids.len() + i - 1;
-    let lp = |t: Option<&u32>| t.and_then(|t| case.top_ids[pos].iter().position(|x| x == t)).map(|k| case.top_logprobs[pos][k]);
-    let (theirs, ours) = (lp(Some(&want[i])), lp(out.get(i)));
-    let gap = match (theirs, ours) {
-        (Some(a), Some(b)) => (a - b).abs(),
-        _ => f32::INFINITY,
+    let p = first_divergence(got, want)?;
+    // Logits row `prompt + p - 1` predicts continuation token p.
+    let row = case.prompt_ids.len() + p - 1;
+    let lp = |t: u32| case.top_ids[row].iter().position(|&x| x == t).map(|j| case.top_logprobs[row][j]);
+    let gap = match (want.get(p).and_then(|&t| lp(t)), got.get(p).and_then(|&t| lp(t))) {
+        (Some(a), Some(b)) => Some(a - b),
+        _ => None,
     };
-    assert!(gap <= near_tie, "{label} case {}: greedy continuation differs at token {i} (reference logprobs {theirs:?} for {} vs {ours:?} for {:?}; near-tie bound {near_tie})\n ours: {out:?}\n want: {want:?}", case.name, want[i], out.get(i));
-    Some((i, gap))
+    Some((p, gap))
 }
 
 fn worst_of(deltas: impl Iterator<Item = (usize, f32)>) -> (f32, usize) {
