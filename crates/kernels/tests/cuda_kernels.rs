@@ -63,13 +63,32 @@ fn paged_attention_matches_cpu() {
     device_kernels::paged_attention_matches_cpu(&gpu(), &CUDA_TOL);
 }
 
-/// The attention by KV head (`decode_attention.cu`; taken from one row here, so the 8-row decode
-/// step and the prefill rows of head dim 256 run on it) for every head dim it is built for and
-/// groups of 2, 4, 6 and 8 query heads per KV head (the 4- and 8-wide builds).
+/// `(q heads, kv heads, head dim, block size)` of the attention-by-KV-head checks on the mixed
+/// steps of `paged_attention_cases_match_cpu`.
+const KV_HEAD_CASES: &[(usize, usize, usize, usize)] = &[(16, 2, 128, 16), (8, 2, 256, 16), (12, 2, 64, 16), (8, 4, 128, 8), (32, 8, 128, 16)];
+/// ... and on the long mixed-context decode steps: every head dim, groups of 1 to 8 query heads
+/// per KV head (the 4- and 8-wide builds, odd groups too), block sizes 4, 8 and 16.
+const KV_HEAD_DECODE_CASES: &[(usize, usize, usize, usize)] =
+    &[(2, 2, 64, 4), (4, 2, 128, 8), (8, 2, 64, 16), (32, 8, 128, 16), (8, 1, 128, 4), (6, 2, 256, 16), (16, 2, 256, 8), (12, 2, 64, 8), (4, 4, 256, 4), (5, 1, 128, 16)];
+
+/// The attention by KV head (`decode_attention.cu`, the streamed kernel; taken from one row here,
+/// so the decode steps and the prefill rows of head dim 256 run on it) for every head dim it is
+/// built for and groups of 1 to 8 query heads per KV head.
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn attention_by_kv_head_matches_cpu() {
-    device_kernels::paged_attention_cases_match_cpu(&gpu().with_attn_gqa_min_rows(1), &CUDA_TOL, &[(16, 2, 128, 16), (8, 2, 256, 16), (12, 2, 64, 16), (8, 4, 128, 8), (32, 8, 128, 16)]);
+    let g = gpu().with_attn_gqa_min_rows(1).with_attn_decode(false);
+    device_kernels::paged_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_CASES);
+    device_kernels::decode_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_DECODE_CASES);
+}
+
+/// The same checks on the first attention-by-KV-head kernel (`QUIVER_CUDA_ATTN_DECODE=v1`).
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn attention_by_kv_head_v1_matches_cpu() {
+    let g = gpu().with_attn_gqa_min_rows(1).with_attn_decode(true);
+    device_kernels::paged_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_CASES);
+    device_kernels::decode_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_DECODE_CASES);
 }
 
 /// The batch-1 GEMVs with RoPE or SiLU·mul fused into their epilogue against the CPU running

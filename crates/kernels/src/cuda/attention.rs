@@ -3,6 +3,9 @@
 //! attention: by KV head (`decode_attention.cu`, every query head of a KV head in one block, so
 //! a cached K/V row is read once) from `attn_gqa_min_rows` rows, per query head below that
 //! (`paged_attention` in kernels.cu, whose blocks split a short batch's long context finer).
+//! The attention by KV head has two kernels: the first, `paged_attention_gqa_*` (the default),
+//! and `decode_attention_kv_*` (`QUIVER_CUDA_ATTN_DECODE=v2`: K/V streamed through per-warp
+//! cp.async rings, coalesced), the default once it has been measured on a GPU.
 
 use super::*;
 
@@ -36,7 +39,67 @@ fn gqa_attn_threads(rows: usize) -> u32 {
     }
 }
 
+/// Head dims the attention by KV head is built for (the index of its kernels).
+const ATTN_GQA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Warps per block of `decode_attention_kv_*` (`KVD_WARPS`), each streaming its own tiles of
+/// the context.
+const KV_WARPS: usize = 4;
+
+/// Shared-memory bytes of one warp's ring in `decode_attention_kv_*` (`KVD_RING` × 2): two tiles
+/// of 2048 / head_dim keys, a K row padded by 16 bytes and a V row each, bf16 (~17 KB, so the
+/// block's ≤ 68 KB plus ≤ 10 KB static fit every sm_80+ GPU's per-block limit, 99 KB on sm_86 /
+/// sm_89, and three blocks fit an H100 SM).
+fn kv_ring_bytes(head_dim: usize) -> usize {
+    2 * (2048 / head_dim) * (2 * head_dim + 8) * 2
+}
+
+/// The attention-by-KV-head kernels `decode_attention_kv_{64,128,256}_{1,2,4,8}` (built for up to
+/// 1, 2, 4, 8 query heads per KV head: the loops run over all of a build's heads) and which of
+/// the two kernels runs (`QUIVER_CUDA_ATTN_DECODE`, read in init.rs).
+pub(super) struct DecodeAttn {
+    kv: [[sys::CUfunction; 3]; 4],
+    /// Run the first kernel (`paged_attention_gqa_*`) instead.
+    pub(super) v1: bool,
+}
+
+impl DecodeAttn {
+    /// The kernels from the module (`f` loads one by name), with their dynamic shared-memory
+    /// limit raised to what `paged_attention_impl` launches them with.
+    pub(super) fn load(f: &dyn Fn(&str) -> Result<sys::CUfunction>, v1: bool) -> Result<Self> {
+        let kv = [
+            [f("decode_attention_kv_64_1")?, f("decode_attention_kv_128_1")?, f("decode_attention_kv_256_1")?],
+            [f("decode_attention_kv_64_2")?, f("decode_attention_kv_128_2")?, f("decode_attention_kv_256_2")?],
+            [f("decode_attention_kv_64_4")?, f("decode_attention_kv_128_4")?, f("decode_attention_kv_256_4")?],
+            [f("decode_attention_kv_64_8")?, f("decode_attention_kv_128_8")?, f("decode_attention_kv_256_8")?],
+        ];
+        for fs in &kv {
+            for (&kf, hd) in fs.iter().zip(ATTN_GQA_HEAD_DIMS) {
+                let bytes = (KV_WARPS * kv_ring_bytes(hd)) as i32;
+                // SAFETY: a function of the loaded module; at most 68 KB, within every sm_80+
+                // GPU's per-block limit. The carveout is a hint: all the shared memory an SM has
+                // (three blocks' worth on an H100), the kernel's K/V bypass L1 anyway.
+                unsafe {
+                    result::function::set_function_attribute(kf, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
+                        .context("raising the decode attention's shared-memory limit")?;
+                    result::function::set_function_attribute(kf, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                        .context("setting the decode attention's shared-memory carveout")?;
+                }
+            }
+        }
+        Ok(DecodeAttn { kv, v1 })
+    }
+}
+
 impl CudaDevice {
+    /// This device with the first attention-by-KV-head kernel (`v1`, as
+    /// `QUIVER_CUDA_ATTN_DECODE=v1`) or the streamed one, so tests check each whatever the
+    /// default.
+    pub fn with_attn_decode(mut self, v1: bool) -> Self {
+        self.attn_decode.v1 = v1;
+        self
+    }
+
     /// This device with the attention by KV head from `rows` rows instead of
     /// `QUIVER_CUDA_ATTN_GQA_MIN_ROWS` or the default (tests put small steps on it).
     pub fn with_attn_gqa_min_rows(mut self, rows: usize) -> Self {
@@ -44,13 +107,13 @@ impl CudaDevice {
         self
     }
 
-    /// The attention-by-KV-head kernel for a step of `rows` rows, where it applies: enough rows
-    /// (see `attn_gqa_min_rows`), a head dim it is built for, at most `ATTN_GQA_MAX_GROUP` query
-    /// heads per KV head.
-    fn gqa_attention(&self, rows: usize, n_heads: usize, n_kv: usize, head_dim: usize) -> Option<sys::CUfunction> {
+    /// Whether the attention by KV head serves a step of `rows` rows: enough rows (see
+    /// `attn_gqa_min_rows`), a head dim it is built for (`Some(its index in
+    /// ATTN_GQA_HEAD_DIMS)`), at most `ATTN_GQA_MAX_GROUP` query heads per KV head.
+    fn gqa_attention(&self, rows: usize, n_heads: usize, n_kv: usize, head_dim: usize) -> Option<usize> {
         let group = n_heads / n_kv;
-        let i = [64, 128, 256].iter().position(|&d| d == head_dim)?;
-        (rows >= self.attn_gqa_min_rows && group <= ATTN_GQA_MAX_GROUP && n_heads % n_kv == 0).then(|| self.k.paged_attention_gqa[(group > 4) as usize][i])
+        let i = ATTN_GQA_HEAD_DIMS.iter().position(|&d| d == head_dim)?;
+        (rows >= self.attn_gqa_min_rows && group <= ATTN_GQA_MAX_GROUP && n_heads.is_multiple_of(n_kv)).then_some(i)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -83,9 +146,21 @@ impl CudaDevice {
                 buf(qkv), kc, vc, tp, pp, bt, stride, buf(out), ob, n_heads as i32, l.n_kv_heads as i32, hd as i32, l.block_size as i32, scale);
             self.set_shadow(&mut st, ob, buf(out), rows * n_heads * hd);
             self.mark("attention prefill");
-        } else if let Some(f) = self.gqa_attention(rows, n_heads, l.n_kv_heads, l.head_dim) {
-            launch!(self, f, (rows as u32, l.n_kv_heads as u32, 1), (gqa_attn_threads(rows), 1, 1);
-                buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), n_heads as i32, l.n_kv_heads as i32, l.block_size as i32, scale);
+        } else if let Some(i) = self.gqa_attention(rows, n_heads, l.n_kv_heads, l.head_dim) {
+            let group = n_heads / l.n_kv_heads;
+            if self.attn_decode.v1 {
+                launch!(self, self.k.paged_attention_gqa[(group > 4) as usize][i], (rows as u32, l.n_kv_heads as u32, 1), (gqa_attn_threads(rows), 1, 1);
+                    buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), n_heads as i32, l.n_kv_heads as i32, l.block_size as i32, scale);
+            } else {
+                // One block per (row, KV head), KV heads fastest, from the build for the fewest
+                // heads that holds the group (1, 2, 4 or 8); the bf16 copy of the output for the
+                // o-projection GEMM is written in the same pass.
+                let (hd, build) = (l.head_dim, group.next_power_of_two().trailing_zeros() as usize);
+                let ob = self.shadow_for(&mut st, rows, n_heads * hd);
+                launch!(self, self.attn_decode.kv[build][i], ((rows * l.n_kv_heads) as u32, 1, 1), ((KV_WARPS * 32) as u32, 1, 1), smem = (KV_WARPS * kv_ring_bytes(hd)) as u32;
+                    buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), ob, n_heads as i32, l.n_kv_heads as i32, l.block_size as i32, scale);
+                self.set_shadow(&mut st, ob, buf(out), rows * n_heads * hd);
+            }
             self.mark("attention decode");
         } else {
             launch!(self, self.k.paged_attention, (rows as u32, n_heads as u32, 1), (attn_threads(rows), 1, 1);

@@ -105,6 +105,17 @@ impl CudaDevice {
                 attention::ATTN_GQA_MIN_ROWS
             }),
         };
+        // Which attention-by-KV-head kernel runs: the first (`v1`, the default until the
+        // streamed one has run on a GPU) or the cp.async-streamed one (`v2`).
+        let attn_decode_v1 = match std::env::var("QUIVER_CUDA_ATTN_DECODE").as_deref() {
+            Ok("v2") => false,
+            Ok("v1") | Err(_) => true,
+            Ok(v) => {
+                tracing::warn!("QUIVER_CUDA_ATTN_DECODE={v:?} is neither v1 nor v2: v1 (the default)");
+                true
+            }
+        };
+        let attn_decode = attention::DecodeAttn::load(&|n: &str| Ok(module.load_function(n).with_context(|| format!("kernel {n}"))?.cu_function()), attn_decode_v1)?;
         Ok(CudaDevice {
             ordinal,
             sms,
@@ -137,6 +148,7 @@ impl CudaDevice {
             lora_row1,
             lora_rows_max,
             attn_gqa_min_rows,
+            attn_decode,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),
             draw_source: None,
             gpu_share: 1,

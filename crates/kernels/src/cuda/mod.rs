@@ -166,6 +166,8 @@ pub struct CudaDevice {
     /// Steps of at least this many decode rows take the attention by KV head
     /// (`QUIVER_CUDA_ATTN_GQA_MIN_ROWS`).
     attn_gqa_min_rows: usize,
+    /// Its kernels, and whether the first one runs (`QUIVER_CUDA_ATTN_DECODE=v1`): attention.rs.
+    attn_decode: attention::DecodeAttn,
     /// Rank ≥ 1 of a tensor-parallel group: rank 0's device, whose draws this rank's steps
     /// read when their ids name them (`resolve_drawn`; `collective.rs`).
     draw_source: Option<Arc<CudaDevice>>,

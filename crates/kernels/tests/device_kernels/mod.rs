@@ -267,3 +267,79 @@ pub fn paged_attention_cases_match_cpu(g: &dyn Device, tol: &Tolerances, cases: 
     }
 }
 
+/// Decode attention over long, mixed contexts: sequences of 0 to 1100 cached tokens (one prefill
+/// step, checked as a whole like `paged_attention_cases_match_cpu`'s), then two decode steps of
+/// one row per sequence (40 rows, contexts from one key to 1102, across tile and block edges),
+/// each row checked on its own. The last step's output
+/// then goes through a bf16 GEMM too, large enough not to split its input, so a device that hands
+/// the GEMM a bf16 copy of the attention output written in the same pass has that copy checked.
+/// Cases are `(q heads, kv heads, head dim, block size)`.
+pub fn decode_attention_cases_match_cpu(g: &dyn Device, tol: &Tolerances, cases: &[(usize, usize, usize, usize)]) {
+    let c = CpuDevice::new();
+    let mut r = Rng::fresh("decode attention");
+    let lens = [0usize, 1, 2, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100, 127, 128, 129, 200, 255, 256, 257, 380, 511, 1100, 0, 5, 9, 24, 48, 80, 160, 177, 3, 12, 40, 96, 150, 190, 700, 1023, 7];
+    for &(nh, nkv, hd, bs) in cases {
+        let max_blocks = (lens.iter().max().unwrap() + 2).div_ceil(bs);
+        let num_blocks = lens.len() * max_blocks + 3;
+        let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+        for i in (1..pool.len()).rev() {
+            pool.swap(i, r.below(i + 1));
+        }
+        let tables: Vec<u32> = pool[..lens.len() * max_blocks].to_vec();
+        let layout = KvLayout { num_layers: 1, num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        let (mut kc, mut kg) = (c.alloc_kv(layout), g.alloc_kv(layout));
+        let width = (nh + 2 * nkv) * hd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        for step in 0..3 {
+            // Step 0 prefills the sequences with cached tokens (only those: no empty sequences).
+            let seqs: Vec<usize> = (0..lens.len()).filter(|&s| step > 0 || lens[s] > 0).collect();
+            let (mut starts, mut positions, mut ctx, mut tab) = (vec![0u32], Vec::new(), Vec::new(), Vec::new());
+            for &s in &seqs {
+                let (from, to) = if step == 0 { (0, lens[s]) } else { (lens[s] + step - 1, lens[s] + step) };
+                positions.extend(from as u32..to as u32);
+                starts.push(positions.len() as u32);
+                ctx.push(to as u32);
+                tab.extend_from_slice(&tables[s * max_blocks..(s + 1) * max_blocks]);
+            }
+            let rows = positions.len();
+            let b = AttnBatch { seq_starts: &starts, positions: &positions, ctx_lens: &ctx, block_tables: &tab, block_table_stride: max_blocks };
+            let qkv = r.vec(rows * width, 2.0);
+            let (qc, qg) = (c.tensor_from(&qkv), g.tensor_from(&qkv));
+            let (mut oc, mut og) = (poisoned(&c, rows * nh * hd), poisoned(g, rows * nh * hd));
+            // The last step's GEMM: n past the 16 MB of weight under which CUDA splits the input.
+            let k = nh * hd;
+            let n = (16 << 20) / (2 * k) + 8;
+            let gemm = (step == 2).then(|| {
+                let w = r.vec(n * k, 0.5);
+                let wg = g.load_weight(Weight::from_f32(n, k, w.clone(), DType::Bf16));
+                (w, wg, poisoned(g, rows * n))
+            });
+            c.paged_attention(&qc, &b, &mut kc, 0, nh, scale, &mut oc);
+            g.paged_attention(&qg, &b, &mut kg, 0, nh, scale, &mut og);
+            let gemm = gemm.map(|(w, wg, mut yg)| {
+                g.matmul(&og, rows, &wg, None, &mut yg); // right after the attention
+                (w, yg)
+            });
+            let what = format!("decode attention heads={nh}/{nkv} hd={hd} bs={bs} step={step} rows={rows}");
+            let (got, want) = (host(g, &og, rows * nh * hd), &oc.as_cpu()[..rows * nh * hd]);
+            if step == 0 {
+                check(&what, &got, want, tol.attention);
+            } else {
+                let mut worst = 0.0f64;
+                for (i, &p) in positions.iter().enumerate() {
+                    let at = i * nh * hd..(i + 1) * nh * hd;
+                    let e = rel_err(&what, &got[at.clone()], &want[at]);
+                    assert!(e <= tol.attention, "{what}: row {i} (context {}) relative error {e:.3e} > {:.0e}", p + 1, tol.attention);
+                    worst = worst.max(e);
+                }
+                eprintln!("{what}: worst row rel err {worst:.2e}");
+            }
+            if let Some((w, yg)) = gemm {
+                let wc = c.load_weight(Weight::from_f32(n, k, w, DType::Bf16));
+                let mut yc = poisoned(&c, rows * n);
+                c.matmul(&oc, rows, &wc, None, &mut yc);
+                check(&format!("{what} then matmul n={n}"), &host(g, &yg, rows * n), &yc.as_cpu()[..rows * n], tol.attention + tol.matmul_bf16);
+            }
+        }
+    }
+}
