@@ -292,7 +292,11 @@ pub enum Epilogue<'a> {
     /// None, but the caller adds the output to `resid` next (the residual stream after o_proj
     /// and down_proj), so a device may add the LoRA delta straight into `resid` instead of the
     /// output (the same sum up to rounding order): then the delta need not wait for the
-    /// projection (CUDA computes it beside the GEMM).
+    /// projection (CUDA computes it beside the GEMM). The caller's next op on `resid` must be
+    /// that add ([`Device::add_inplace`], [`Device::add_rms_norm`] or
+    /// [`Device::rms_norm_before_lora`] with the output as the delta), before anything reads
+    /// `resid`: a device may also defer the delta into that op (CUDA's
+    /// `QUIVER_CUDA_LORA_EPILOGUE=2`).
     Residual { resid: &'a mut Tensor },
 }
 

@@ -123,7 +123,11 @@ impl CudaDevice {
                 });
         if let Some(t) = ahead {
             if !fold {
-                // The norm computed the shrink: the expand right after the GEMM, then the epilogue.
+                // The norm computed the shrink: the expand in the epilogue where it takes it,
+                // else right after the GEMM, then the epilogue.
+                if self.lora_epilogue_fits(call, &epilogue, w) {
+                    return self.matmul_lora_epilogue(x, m, w, bias, call, t, epilogue, y);
+                }
                 self.matmul_impl(x, m, w, bias, y);
                 self.lora_expand_ahead(call, t, buf(y));
                 return epilogue.run(self, y, m, w);
@@ -168,6 +172,8 @@ impl CudaDevice {
         // The whole delta in one launch where the site fits it (`lora_rows.rs`).
         let rows_kernel = self.lora_rows_kernel(call, m);
         match epilogue {
+            // The delta goes in with the next norm (lora_epilogue.rs).
+            Epilogue::Residual { resid } if self.defer_lora(call, x, m, resid) => self.matmul_impl(x, m, w, bias, y),
             Epilogue::Residual { resid } if beside_all => {
                 let target = buf(resid);
                 self.beside(|| match rows_kernel {

@@ -38,6 +38,7 @@ impl CudaDevice {
             lora_expert_groups: DevBuf::zeroed(&ctx, 0)?,
             lora_ahead_t: DevBuf::zeroed(&ctx, 0)?,
             lora_ahead: None,
+            lora_deferred: None,
             gemv_lora_ctr: DevBuf::zeroed(&ctx, 16)?,
             row_seq: None,
             tiles: (0, 0),
@@ -76,14 +77,23 @@ impl CudaDevice {
         // cheaper beside the GEMM, session 21), from 2 rows without it (one-row steps measured 1-4
         // points slower with it on the H200 than the GEMV computing its own shrink); `1` / `2`
         // from one / two rows, `0` never.
+        // With the expand in the epilogue (lora_epilogue.rs) the norm's shrink is what feeds
+        // it, so then the default is from two rows.
+        let lora_epilogue = match std::env::var("QUIVER_CUDA_LORA_EPILOGUE").as_deref() {
+            _ if maj < 9 => 0,
+            Ok("1") => 1,
+            Ok("2") => 2,
+            _ => 0,
+        };
+        let ahead_default = if lora_epilogue > 0 { 2 } else { lora_rows_max.max(1) + 1 };
         let lora_ahead_min_rows = match std::env::var("QUIVER_CUDA_LORA_AHEAD").as_deref() {
             Ok("0") => None,
             Ok("1") => Some(1),
             Ok("2") => Some(2),
-            Err(_) => Some(lora_rows_max.max(1) + 1),
+            Err(_) => Some(ahead_default),
             Ok(v) => {
                 tracing::warn!("QUIVER_CUDA_LORA_AHEAD={v:?} is not 0, 1 or 2: the default");
-                Some(lora_rows_max.max(1) + 1)
+                Some(ahead_default)
             }
         }
         .filter(|_| maj >= 9);
@@ -147,6 +157,7 @@ impl CudaDevice {
             lora_ahead_launches: Default::default(),
             lora_row1,
             lora_rows_max,
+            lora_epilogue,
             attn_gqa_min_rows,
             attn_decode,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),

@@ -48,14 +48,26 @@ __device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
 // grid (rows · LAH_CL), cluster (LAH_CL), LAH_THREADS threads. dim % (8 · LAH_CL) == 0,
 // n_slices · R ≤ LAH_MAX_W, and a block's slice dim / LAH_CL ≤ 256 · LAH_CPL inputs: the lanes
 // of a warp hold an A row's slice in LAH_CPL 16-byte loads each (the host picks the kernel).
-template <int LAH_CPL>
+//
+// With PREV (`rms_norm_lora2_*`, lora_epilogue.rs) the residual also gets the delta of the
+// single-slice site before it (o_proj or down_proj, whose GEMM output is `delta`), deferred to
+// here instead of a launch of its own: the cluster first computes that site's shrink from its
+// input rows `xp` (block q dots its slice of the inputs with each A_p row, the partials are
+// swapped and added in block order like the others), then every block adds s·t_p·Bᵀ_p to its
+// columns of x along with `delta`. The same row slot serves both sites (one grouping a step).
+#define LAH_MAX_RP 64 // rank of the previous site at most
+
+template <int LAH_CPL, bool PREV>
 __device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w,
                                                      float* __restrict__ out, bf16_t* __restrict__ outb, int dim, float eps,
                                                      const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks,
-                                                     int n_slices, int R, float* __restrict__ t) {
+                                                     int n_slices, int R, float* __restrict__ t,
+                                                     const float* __restrict__ xp, int in_p, const bf16_t* __restrict__ Ap, const bf16_t* __restrict__ Btp,
+                                                     const u32* __restrict__ ranks_p, const float* __restrict__ scal_p, int R_p, int b_ld_p) {
     __shared__ __align__(16) float hw[LAH_MAX_SLICE]; // h·w over this block's slice
     __shared__ float part[1 + LAH_MAX_W];              // [0] Σ h², [1 + j] this slice's part of t_j
     __shared__ float sh[33];
+    __shared__ float part_p[PREV ? LAH_MAX_RP : 1], coef_p[PREV ? LAH_MAX_RP : 1]; // the previous site's t: this block's part, then scaled
     const int r = blockIdx.x / LAH_CL;
     const u32 q = blockIdx.x % LAH_CL; // the cluster is LAH_CL consecutive blocks along x
     const int ks = dim / LAH_CL, k0 = q * ks;
@@ -80,14 +92,47 @@ __device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, cons
     if (warp < nr) { LAH_LOAD_A(warp) }
     pdl_entry();
     const size_t base = (size_t)r * dim + k0;
+    int rp = 0;
+    if constexpr (PREV) {
+        rp = pos == LAH_NO_POS ? 0 : (int)ranks_p[slot];
+        const int ksp = in_p / LAH_CL, chp = ksp / 8;
+        const float4* xr = reinterpret_cast<const float4*>(xp + (size_t)r * in_p + q * ksp);
+        const bf16_t* ap = Ap + (size_t)slot * R_p * in_p + q * ksp;
+        for (int j = warp; j < rp; j += nw) {
+            const uint4* a = reinterpret_cast<const uint4*>(ap + (size_t)j * in_p);
+            float acc = 0.f;
+            for (int ch = lane; ch < chp; ch += 32) acc = dot8(__ldg(a + ch), xr[2 * ch], xr[2 * ch + 1], acc);
+            acc = warp_sum(acc);
+            if (lane == 0) part_p[j] = acc;
+        }
+        cluster_barrier(); // every block's part of t_p is written and visible to the cluster
+        for (int j = threadIdx.x; j < rp; j += blockDim.x) {
+            float sp = 0.f;
+            for (u32 b = 0; b < LAH_CL; ++b) sp += ld_cluster(&part_p[j], b);
+            coef_p[j] = sp * scal_p[slot * 3];
+        }
+        __syncthreads();
+    }
     float ss = 0.f;
     for (int i = threadIdx.x; i < ks / 4; i += blockDim.x) {
         float4 v = reinterpret_cast<const float4*>(x + base)[i];
         if (delta) {
             const float4 d = reinterpret_cast<const float4*>(delta + base)[i];
             v.x += d.x, v.y += d.y, v.z += d.z, v.w += d.w;
-            reinterpret_cast<float4*>(x + base)[i] = v;
         }
+        if (PREV && rp) {
+            // s·t_p·Bᵀ_p over this thread's 4 columns (8-byte Bᵀ loads: b_ld_p % 4 == 0).
+            const bf16_t* bp = Btp + (size_t)slot * R_p * b_ld_p + k0 + 4 * i;
+            float e[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int j = 0; j < rp; ++j) {
+                const uint2 bb = __ldg(reinterpret_cast<const uint2*>(bp + (size_t)j * b_ld_p));
+                const float c = coef_p[j];
+                e[0] += c * __uint_as_float(bb.x << 16), e[1] += c * __uint_as_float(bb.x & 0xffff0000u);
+                e[2] += c * __uint_as_float(bb.y << 16), e[3] += c * __uint_as_float(bb.y & 0xffff0000u);
+            }
+            v.x += e[0], v.y += e[1], v.z += e[2], v.w += e[3];
+        }
+        if (delta || rp) reinterpret_cast<float4*>(x + base)[i] = v;
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         const float4 wv = reinterpret_cast<const float4*>(w + k0)[i];
         reinterpret_cast<float4*>(hw)[i] = make_float4(v.x * wv.x, v.y * wv.y, v.z * wv.z, v.w * wv.w);
@@ -141,7 +186,16 @@ __device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, cons
         float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, \
         int dim, float eps, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, int n_slices, int R,  \
         float* __restrict__ t) {                                                                                                                \
-        rms_norm_shrink_body<CPL>(x, delta, w, out, outb, dim, eps, A, G, C, ranks, n_slices, R, t);                                             \
+        rms_norm_shrink_body<CPL, false>(x, delta, w, out, outb, dim, eps, A, G, C, ranks, n_slices, R, t, nullptr, 0, nullptr, nullptr, nullptr, \
+                                         nullptr, 0, 0);                                                                                        \
+    }                                                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(LAH_THREADS) rms_norm_lora2_##CPL(                                                             \
+        float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, \
+        int dim, float eps, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, int n_slices, int R,  \
+        float* __restrict__ t, const float* __restrict__ xp, int in_p, const bf16_t* __restrict__ Ap, const bf16_t* __restrict__ Btp,           \
+        const u32* __restrict__ ranks_p, const float* __restrict__ scal_p, int R_p, int b_ld_p) {                                                \
+        rms_norm_shrink_body<CPL, true>(x, delta, w, out, outb, dim, eps, A, G, C, ranks, n_slices, R, t, xp, in_p, Ap, Btp, ranks_p, scal_p,    \
+                                        R_p, b_ld_p);                                                                                           \
     }
 RMS_NORM_SHRINK(1)
 RMS_NORM_SHRINK(2)

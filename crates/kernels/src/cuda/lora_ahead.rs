@@ -43,18 +43,18 @@ impl Ahead {
 }
 
 impl CudaDevice {
-    /// The `rms_norm_shrink` kernel for a norm of `rows` rows of width `dim` feeding `call`, or
-    /// `None` when the shrink stays with the projection.
-    fn lora_ahead_kernel(&self, rows: usize, dim: usize, call: &LoraCall<'_>) -> Option<sys::CUfunction> {
+    /// Which `rms_norm_shrink` kernel (by index) serves a norm of `rows` rows of width `dim`
+    /// feeding `call`, or `None` when the shrink stays with the projection.
+    fn lora_ahead_kernel(&self, rows: usize, dim: usize, call: &LoraCall<'_>) -> Option<usize> {
         let sh = call.shape();
         let cl = CLUSTER as usize;
         if self.lora_ahead_min_rows.is_none_or(|min| rows < min) || rows > AHEAD_MAX_ROWS || call.groups.rows != rows || sh.in_dim != dim || !dim.is_multiple_of(8 * cl) || sh.shrink_width() > MAX_WIDTH {
             return None;
         }
         match (dim / cl).div_ceil(256) {
-            1 => Some(self.k.rms_norm_shrink[0]),
-            2 => Some(self.k.rms_norm_shrink[1]),
-            3 | 4 => Some(self.k.rms_norm_shrink[2]),
+            1 => Some(0),
+            2 => Some(1),
+            3 | 4 => Some(2),
             _ => None,
         }
     }
@@ -65,12 +65,26 @@ impl CudaDevice {
             Some(d) => self.add_rms_norm(x, d, w, eps, rows, dim, out),
             None => self.rms_norm(x, w, eps, rows, dim, out),
         };
-        let Some(f) = self.lora_ahead_kernel(rows, dim, next) else { return plain(x, out) };
+        // A delta deferred by the projection before (lora_epilogue.rs) goes in with this
+        // norm's kernel where it can, else on its own before the norm.
+        let deferred = self.state.lock().unwrap().lora_deferred.take();
+        let Some(fi) = self.lora_ahead_kernel(rows, dim, next) else {
+            self.launch_lora_deferred(deferred);
+            return plain(x, out);
+        };
         self.bind();
         let mut st = self.state.lock().unwrap();
         let Some(site) = self.lora_site(&mut st, next) else {
             drop(st);
+            self.launch_lora_deferred(deferred);
             return plain(x, out);
+        };
+        let deferred = match deferred {
+            Some(d) if delta.is_some() && d.fits_norm(buf(x), rows, dim, site.gp) => Some(d),
+            other => {
+                self.launch_lora_deferred(other);
+                None
+            }
         };
         let sh = site.shape;
         let need = rows * sh.shrink_width() * 4;
@@ -80,8 +94,16 @@ impl CudaDevice {
         }
         let ob = self.shadow_for(&mut st, rows, dim);
         let dp = delta.map(buf).unwrap_or(0);
-        launch!(self, f, (rows as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
-            buf(x), dp, buf(w), buf(out), ob, dim as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr);
+        match deferred {
+            None => launch!(self, self.k.rms_norm_shrink[fi], (rows as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
+                buf(x), dp, buf(w), buf(out), ob, dim as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr),
+            Some(d) => {
+                let p = d.site;
+                launch!(self, self.k.rms_norm_lora2[fi], (rows as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
+                    buf(x), dp, buf(w), buf(out), ob, dim as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr,
+                    d.x, p.shape.in_dim as i32, p.a, p.b, p.ranks, p.scal, p.shape.max_rank as i32, p.shape.b_ld as i32)
+            }
+        }
         self.set_shadow(&mut st, ob, buf(out), rows * dim);
         st.lora_ahead = Some(Ahead::of(next, rows, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
         self.lora_ahead_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -28,9 +28,9 @@ use crate::lora::LoraCall;
 /// (8B shape, one rank-16 adapter, H100, session 21).
 pub(super) const DEFAULT_MAX_ROWS: usize = 64;
 /// Blocks per row, one cluster (`LRW_CL`).
-const CLUSTER: u32 = 8;
+pub(super) const CLUSTER: u32 = 8;
 /// Threads per block (`LRW_THREADS`).
-const THREADS: u32 = 256;
+pub(super) const THREADS: u32 = 256;
 /// Widest shrink the kernel holds (`LRW_MAX_W`: three slices of rank 64).
 const MAX_WIDTH: usize = 192;
 /// Widest output: every row reads its slot's whole Bᵀ, so an LM head (a vocabulary of columns,

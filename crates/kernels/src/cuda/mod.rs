@@ -95,6 +95,8 @@ struct State {
     /// call it is for (`lora_ahead.rs`).
     lora_ahead_t: DevBuf,
     lora_ahead: Option<lora_ahead::Ahead>,
+    /// o_proj's or down_proj's delta left for the next norm to add (`lora_epilogue.rs`).
+    lora_deferred: Option<lora_epilogue::Deferred>,
     /// The fused single-row LoRA GEMV's four counters (gemv.cu `GemvLora::ctr`): zero
     /// between launches, each launch's last warp zeroes them.
     gemv_lora_ctr: DevBuf,
@@ -160,6 +162,9 @@ pub struct CudaDevice {
     /// instead of a shrink and an expand (`QUIVER_CUDA_LORA_ROWS_MAX`: 64 by default, at most
     /// 128; `QUIVER_CUDA_LORA_ROWS=0` or 0: never; sm_90).
     lora_rows_max: usize,
+    /// `QUIVER_CUDA_LORA_EPILOGUE`: 1, qkv's and gate_up's expand in their RoPE / SiLU·mul;
+    /// 2, also o_proj's and down_proj's delta in the next norm (`lora_epilogue.rs`); 0, neither.
+    lora_epilogue: u8,
     /// Long prompts' LoRA GEMMs write the delta before the base GEMM accumulates onto it
     /// (`QUIVER_CUDA_LORA_GEMM_FIRST=0`: after, accumulating): see `lora_gemm.rs`.
     lora_gemm_first: bool,
@@ -223,6 +228,7 @@ mod attention;
 mod logit_edits;
 mod lora;
 mod lora_ahead;
+mod lora_epilogue;
 mod lora_rows;
 mod lora_experts;
 mod lora_gemm;
@@ -519,6 +525,7 @@ impl Device for CudaDevice {
         if rows == 0 {
             return;
         }
+        self.flush_lora_deferred();
         let mut st = self.state.lock().unwrap();
         let ob = self.shadow_for(&mut st, rows, dim);
         let per_row = if dim.is_multiple_of(4) { dim / 4 } else { dim };
@@ -536,6 +543,7 @@ impl Device for CudaDevice {
         if len == 0 {
             return;
         }
+        self.flush_lora_deferred();
         launch!(self, self.k.add_inplace, grid1(len, 256), (256, 1, 1); buf(resid), buf(delta), len as i64);
         self.mark("add_inplace");
     }

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 /// `collective.cu`, one module
 /// (later files use the helpers of earlier ones: kernels.cu's bf16 and reduction helpers,
 /// gemv.cu's cp.async and dot8, prefill_attention.cu's mma / ldmatrix).
-pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("gemv.cu"), include_str!("prefill_attention.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("lora_rows.cu"), include_str!("moe.cu"), include_str!("lora_experts.cu"), include_str!("sample.cu"), include_str!("logit_edits.cu"), include_str!("collective.cu"));
+pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("gemv.cu"), include_str!("prefill_attention.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("lora_rows.cu"), include_str!("lora_epilogue.cu"), include_str!("moe.cu"), include_str!("lora_experts.cu"), include_str!("sample.cu"), include_str!("logit_edits.cu"), include_str!("collective.cu"));
 
 pub(super) struct Kernels {
     pub(super) f32_to_bf16: sys::CUfunction,
@@ -50,8 +50,13 @@ pub(super) struct Kernels {
     /// RMSNorm fused with the next site's shrink (`lora_ahead.cu`), for slices of at most 256,
     /// 512 and 1024 inputs a block.
     pub(super) rms_norm_shrink: [sys::CUfunction; 3],
+    /// The same, adding the previous site's deferred delta first (`lora_epilogue.rs`).
+    pub(super) rms_norm_lora2: [sys::CUfunction; 3],
     /// A LoRA site's whole delta row by row, 1 / 2 / 4 / 8 input chunks a lane (`lora_rows.cu`).
     pub(super) lora_rows: [sys::CUfunction; 4],
+    /// RoPE and SiLU·mul adding a LoRA expand first (`lora_epilogue.cu`).
+    pub(super) rope_qk_lora: sys::CUfunction,
+    pub(super) silu_mul_lora: sys::CUfunction,
     pub(super) sample_rows: sys::CUfunction,
     pub(super) resolve_drawn: sys::CUfunction,
     pub(super) logit_edits: sys::CUfunction,
@@ -98,7 +103,10 @@ impl Kernels {
             lora_expand: f("lora_expand")?,
             lora_expert_group: f("lora_expert_group")?,
             rms_norm_shrink: [f("rms_norm_shrink_1")?, f("rms_norm_shrink_2")?, f("rms_norm_shrink_4")?],
+            rms_norm_lora2: [f("rms_norm_lora2_1")?, f("rms_norm_lora2_2")?, f("rms_norm_lora2_4")?],
             lora_rows: [f("lora_rows_1")?, f("lora_rows_2")?, f("lora_rows_4")?, f("lora_rows_8")?],
+            rope_qk_lora: f("rope_qk_lora")?,
+            silu_mul_lora: f("silu_mul_lora")?,
             sample_rows: f("sample_rows")?,
             resolve_drawn: f("resolve_drawn")?,
             logit_edits: f("logit_edits")?,

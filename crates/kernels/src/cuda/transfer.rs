@@ -66,6 +66,10 @@ impl CudaDevice {
     }
 
     pub(super) fn stage(&self, st: &mut State, ids: &[u32], b: &AttnBatch<'_>, logits_rows: &[u32], extra: &[&[u32]]) {
+        // A step ends with its deferred LoRA delta consumed (lora_epilogue.rs); one left by a
+        // step cut short must not reach the next.
+        debug_assert!(st.lora_deferred.is_none(), "a step left a LoRA delta deferred");
+        st.lora_deferred = None;
         assert!(extra.len() <= MAX_EXTRA, "stage_batch: at most {MAX_EXTRA} extra slices");
         let State { host_meta, staged, row_seq, tiles, .. } = st;
         host_meta.clear();
