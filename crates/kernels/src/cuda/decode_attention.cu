@@ -156,7 +156,7 @@ ATTENTION_GQA(64, 8)
 ATTENTION_GQA(128, 8)
 ATTENTION_GQA(256, 8)
 
-// ---- decode attention by KV head, v2 (QUIVER_CUDA_ATTN_DECODE=v2; not yet measured on a GPU) ----
+// ---- decode attention by KV head, v2 (the default; QUIVER_CUDA_ATTN_DECODE=v1 keeps the above) ----
 // Same work split (one block per (row, KV head), every query head of the KV head, causal through
 // `positions`), built to stream K/V at the memory bound. The above lost ~3x to it at 256 rows: a
 // lane read its own key's whole row, so every warp-wide load touched 32 rows 2 KB apart, and the

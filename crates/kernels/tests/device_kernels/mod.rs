@@ -315,6 +315,11 @@ pub fn decode_attention_cases_match_cpu(g: &dyn Device, tol: &Tolerances, cases:
                 (w, wg, poisoned(g, rows * n))
             });
             c.paged_attention(&qc, &b, &mut kc, 0, nh, scale, &mut oc);
+            // Staged explicitly: the decode steps' metadata vectors have one length, and a fresh
+            // one may reuse the last one's address, which CUDA's implicit staging of an op called
+            // outside a forward (by the positions' address and length) would take for the old
+            // batch (the first device run read step 1's tables at step 2).
+            g.stage_batch(&[], &b, &[], &[]);
             g.paged_attention(&qg, &b, &mut kg, 0, nh, scale, &mut og);
             let gemm = gemm.map(|(w, wg, mut yg)| {
                 g.matmul(&og, rows, &wg, None, &mut yg); // right after the attention
