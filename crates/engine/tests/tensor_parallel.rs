@@ -161,13 +161,14 @@ fn check(adapters: bool, device: DeviceKind, tolerance: f32) {
         let repeat = max_diffs(&reference, &run(&load(&weights, &c, 1, device), &paths), c.vocab_size).0;
         assert!(repeat == 0.0, "two TP 1 runs on {device} differ by {repeat}");
         if device != DeviceKind::Cpu {
-            // The unsharded model on this device against the CPU's (f32 both; a GPU's LoRA pool
-            // is bf16): a kernel wrong for these small shapes (head_dim 8) shows here, not as
-            // a sharding bug.
+            // The unsharded model on this device against the CPU's (f32 weights both; a GPU's
+            // KV cache and LoRA pool are bf16): a kernel wrong for these small shapes (head_dim
+            // 8) shows here, not as a sharding bug. The bound is the GPU parity tests' bf16 one:
+            // session 23's H100 run measured 7e-3 to 8.8e-2 (the tied-head case largest).
             let cpu = run(&load(&weights, &c, 1, DeviceKind::Cpu), &paths);
             let (dl, _) = max_diffs(&cpu, &reference, c.vocab_size);
             println!("{device} TP 1 against the CPU: |Δlogit| by step [{}]", by_step(&cpu, &reference, c.vocab_size));
-            assert!(dl <= 1e-2, "TP 1 on {device} differs from the CPU by {dl}");
+            assert!(dl <= BF16_KV_TOLERANCE, "TP 1 on {device} differs from the CPU by {dl}");
         }
         if adapters {
             // The adapters must move the logits far beyond the tolerance, or the check is empty.
@@ -215,6 +216,10 @@ fn tensor_parallel_equals_unsharded_with_adapters() {
 /// is 10× the CPU's, still 500× under what the adapters move (the test checks they do).
 #[cfg(feature = "cuda")]
 const CUDA_TOLERANCE: f32 = 1e-4;
+/// How far a CUDA run of the tests' tiny models may be from the CPU's in logits: CUDA keeps the KV
+/// cache (and the LoRA pool) in bf16, the CPU in f32; 0.1 is the GPU parity tests' bf16 bound.
+#[cfg(feature = "cuda")]
+const BF16_KV_TOLERANCE: f32 = 0.1;
 
 #[cfg(feature = "cuda")]
 #[test]
@@ -235,8 +240,8 @@ fn cuda_tensor_parallel_equals_unsharded_with_adapters() {
 /// of 4 tokens, q/k/v biases) ~3-4 off the CPU's logits and varying between runs; these variants
 /// showed it needed 4-token blocks, which led to the cause: `run_blocks` gave one sequence too
 /// few blocks, so two sequences shared a KV block (fixed there). It stays as the check that
-/// CUDA's small-head, small-block paths agree with the CPU: every variant within 1e-2 (0.1 with
-/// bf16 weights).
+/// CUDA's small-head, small-block paths agree with the CPU: every variant within
+/// `BF16_KV_TOLERANCE`.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-tp.sh"]
@@ -260,8 +265,9 @@ fn cuda_unsharded_tiny_models_match_the_cpu() {
         let (cpu, gpu) = (run_blocks(&on(DeviceKind::Cpu), &[], block), run_blocks(&on(DeviceKind::Cuda(0)), &[], block));
         let (dl, _) = max_diffs(&cpu, &gpu, c.vocab_size);
         println!("tiny model, {name}: CUDA against the CPU, |Δlogit| by step [{}]", by_step(&cpu, &gpu, c.vocab_size));
-        // bf16 weights: CUDA's GEMMs also round their inputs to bf16, the CPU's do not.
-        if dl > if bf16 { 0.1 } else { 1e-2 } {
+        // CUDA's KV cache is bf16 (the CPU's f32), and with bf16 weights its GEMMs round their
+        // inputs too: session 23 measured 4e-3 to 1.4e-2 on every variant.
+        if dl > BF16_KV_TOLERANCE {
             bad.push(format!("{name}: {dl}"));
         }
     }

@@ -205,8 +205,10 @@ extern "C" __global__ void rope_qk(float* __restrict__ qkv, const float* __restr
         float* p = row + h * head_dim;
         float x0 = p[i], x1 = p[i + half];
         if (dr) x0 += dr[h * head_dim + i], x1 += dr[h * head_dim + i + half];
-        p[i] = x0 * c[i] - x1 * s[i];
-        p[i + half] = x1 * c[i] + x0 * s[i];
+        // Explicit fma (as rope_qk_lora): a row's RoPE is then bit-identical in both kernels,
+        // whatever contraction the compiler would choose for each.
+        p[i] = fmaf(x0, c[i], -(x1 * s[i]));
+        p[i + half] = fmaf(x1, c[i], x0 * s[i]);
     }
     if (dr) {
         for (int j = heads_qk * head_dim + threadIdx.x; j < width; j += blockDim.x) row[j] += dr[j];

@@ -102,8 +102,8 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS) rope_qk_lora(float* __
         float y0[8], y1[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            y0[e] = x0[e] * c[e] - x1[e] * s[e];
-            y1[e] = x1[e] * c[e] + x0[e] * s[e];
+            y0[e] = fmaf(x0[e], c[e], -(x1[e] * s[e])); // rope_qk's arithmetic exactly
+            y1[e] = fmaf(x1[e], c[e], x0[e] * s[e]);
         }
         lep_store8(row + o0, y0);
         lep_store8(row + o1, y1);

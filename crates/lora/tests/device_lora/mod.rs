@@ -571,7 +571,7 @@ pub fn norms_before_projections_match_cpu(dev: Arc<dyn Device>) {
                         Some("0") => 0,
                         _ => var("QUIVER_CUDA_LORA_ROWS_MAX").and_then(|v| v.parse::<usize>().ok()).unwrap_or(64).min(128),
                     };
-                    let epilogue = var("QUIVER_CUDA_LORA_EPILOGUE").as_deref() == Some("1");
+                    let epilogue = matches!(var("QUIVER_CUDA_LORA_EPILOGUE").as_deref(), Some("1" | "2"));
                     let min = match var("QUIVER_CUDA_LORA_AHEAD").as_deref() {
                         Some("1") => 1,
                         Some("2") => 2,
