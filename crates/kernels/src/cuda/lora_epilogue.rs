@@ -112,7 +112,9 @@ impl CudaDevice {
     /// one-launch kernel takes.
     pub(super) fn defer_lora(&self, call: &LoraCall<'_>, x: &Tensor, m: usize, resid: &Tensor) -> bool {
         let sh = call.shape();
-        if self.lora_epilogue < 2 || sh.n_slices != 1 || sh.max_rank > 64 || !sh.in_dim.is_multiple_of(64) || !sh.b_ld.is_multiple_of(4) || !sh.out_dim().is_multiple_of(64) {
+        // The norm's cluster splits the inputs 8 ways, each lane holding at most 8 16-byte
+        // chunks of its block's slice (`LAH_PREV_CPL`): in_dim ≤ 16384.
+        if self.lora_epilogue < 2 || sh.n_slices != 1 || sh.max_rank > 64 || !sh.in_dim.is_multiple_of(64) || sh.in_dim > 16384 || !sh.b_ld.is_multiple_of(4) || !sh.out_dim().is_multiple_of(64) {
             return false;
         }
         let Some(rows_kernel) = self.lora_rows_kernel(call, m) else { return false };
