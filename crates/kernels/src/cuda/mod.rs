@@ -232,11 +232,13 @@ mod lora_epilogue;
 mod lora_rows;
 mod lora_experts;
 mod lora_gemm;
+mod launch;
 mod lora_pool;
 mod memory;
 mod module;
 pub mod moe;
 mod profile;
+mod rowwise;
 mod sample;
 mod transfer;
 
@@ -276,72 +278,7 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// The embedding of `ids` from a table of vocab rows `start..start + table.rows`; ids
-    /// outside it get zero rows (a tensor-parallel rank's shard).
-    fn embedding_rows(&self, table: &Weight, ids: &[u32], start: usize, out: &mut Tensor) {
-        self.bind();
-        if ids.is_empty() {
-            return;
-        }
-        let WeightData::Cuda(tb, dtype) = &table.data else { panic!("CUDA embedding given a host table") };
-        let f = if *dtype == DType::Bf16 { self.k.embedding_bf16 } else { self.k.embedding_f32 };
-        let mut st = self.state.lock().unwrap();
-        let idp = self.meta_ptr(&mut st, ids);
-        launch!(self, f, (ids.len() as u32, 1, 1), (256, 1, 1); tb.ptr, idp, buf(out), table.cols as i32, start as u32, table.rows as u32);
-        self.mark("embedding");
-    }
 
-    /// Launches `f` on the device's stream. With `pdl` the launch allows programmatic stream
-    /// serialization: the kernel may be scheduled while its predecessor drains (hiding launch
-    /// latency and the predecessor's tail, which matter in a decode step of ~330 small kernels).
-    /// That is safe because every kernel of the module starts with `pdl_entry()`, which waits for
-    /// the predecessor's completion before touching memory a kernel writes.
-    ///
-    /// # Safety
-    /// `params` must match `f`'s C signature, every pointer a live device buffer of this context.
-    /// `cluster` > 1: blocks in clusters of that many along x (sm_90; the kernel's grid is a
-    /// multiple of it).
-    unsafe fn launch_raw(&self, f: sys::CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, cluster: u32, params: &mut [*mut c_void]) -> Result<(), result::DriverError> {
-        self.touch();
-        let stream = self.current_stream();
-        if !self.pdl && cluster <= 1 {
-            return result::launch_kernel(f, grid, block, smem, stream, params);
-        }
-        // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
-        let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
-        let mut n = 0;
-        if self.pdl {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attrs[n].value.programmaticStreamSerializationAllowed = 1;
-            n += 1;
-        }
-        if cluster > 1 {
-            debug_assert!(grid.0.is_multiple_of(cluster));
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n].value.clusterDim.x = cluster;
-            attrs[n].value.clusterDim.y = 1;
-            attrs[n].value.clusterDim.z = 1;
-            n += 1;
-        }
-        let cfg = sys::CUlaunchConfig {
-            gridDimX: grid.0,
-            gridDimY: grid.1,
-            gridDimZ: grid.2,
-            blockDimX: block.0,
-            blockDimY: block.1,
-            blockDimZ: block.2,
-            sharedMemBytes: smem,
-            hStream: stream,
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: n as u32,
-        };
-        sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()).result()
-    }
-
-    fn touch(&self) {
-        self.touches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.copy.drained.store(false, std::sync::atomic::Ordering::Relaxed);
-    }
 
     /// Median GPU time of one run of `body`, in milliseconds, over `reps` runs each timed by a pair
     /// of events on the device's stream (benchmarks: a kernel alone against the copy ceiling).
@@ -508,30 +445,11 @@ impl Device for CudaDevice {
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
-        self.bind();
-        if rows == 0 {
-            return;
-        }
-        let mut st = self.state.lock().unwrap();
-        let ob = self.shadow_for(&mut st, rows, dim);
-        let per_row = if dim.is_multiple_of(4) { dim / 4 } else { dim };
-        launch!(self, self.k.rms_norm, (rows as u32, 1, 1), row_threads(per_row); buf(x), buf(w), buf(out), ob, dim as i32, eps);
-        self.set_shadow(&mut st, ob, buf(out), rows * dim);
-        self.mark("rms_norm");
+        self.rms_norm_impl(x, w, eps, rows, dim, out)
     }
 
     fn add_rms_norm(&self, resid: &mut Tensor, delta: &Tensor, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor) {
-        self.bind();
-        if rows == 0 {
-            return;
-        }
-        self.flush_lora_deferred();
-        let mut st = self.state.lock().unwrap();
-        let ob = self.shadow_for(&mut st, rows, dim);
-        let per_row = if dim.is_multiple_of(4) { dim / 4 } else { dim };
-        launch!(self, self.k.add_rms_norm, (rows as u32, 1, 1), row_threads(per_row); buf(resid), buf(delta), buf(w), buf(out), ob, dim as i32, eps);
-        self.set_shadow(&mut st, ob, buf(out), rows * dim);
-        self.mark("add_rms_norm");
+        self.add_rms_norm_impl(resid, delta, w, eps, rows, dim, out)
     }
 
     fn rms_norm_before_lora(&self, x: &mut Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f32, rows: usize, dim: usize, out: &mut Tensor, next: &LoraCall<'_>) {
@@ -539,13 +457,7 @@ impl Device for CudaDevice {
     }
 
     fn add_inplace(&self, resid: &mut Tensor, delta: &Tensor, len: usize) {
-        self.bind();
-        if len == 0 {
-            return;
-        }
-        self.flush_lora_deferred();
-        launch!(self, self.k.add_inplace, grid1(len, 256), (256, 1, 1); buf(resid), buf(delta), len as i64);
-        self.mark("add_inplace");
+        self.add_inplace_impl(resid, delta, len)
     }
 
     fn rope_qk(&self, qkv: &mut Tensor, rows: usize, positions: &[u32], n_heads: usize, n_kv_heads: usize, t: &RopeTable) {
@@ -626,14 +538,7 @@ impl Device for CudaDevice {
     }
 
     fn gather_rows(&self, x: &Tensor, rows: &[u32], dim: usize, out: &mut Tensor) {
-        self.bind();
-        if rows.is_empty() {
-            return;
-        }
-        let mut st = self.state.lock().unwrap();
-        let rp = self.meta_ptr(&mut st, rows);
-        launch!(self, self.k.gather_rows, (rows.len() as u32, 1, 1), (256, 1, 1); buf(x), rp, buf(out), dim as i32);
-        self.mark("gather_rows");
+        self.gather_rows_impl(x, rows, dim, out)
     }
 
     fn qk_norm(&self, qkv: &mut Tensor, rows: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize, norm: &QkNorm) {
