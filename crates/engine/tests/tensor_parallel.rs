@@ -218,7 +218,6 @@ fn tensor_parallel_equals_unsharded_with_adapters() {
 const CUDA_TOLERANCE: f32 = 1e-4;
 /// How far a CUDA run of the tests' tiny models may be from the CPU's in logits: CUDA keeps the KV
 /// cache (and the LoRA pool) in bf16, the CPU in f32; 0.1 is the GPU parity tests' bf16 bound.
-#[cfg(feature = "cuda")]
 const BF16_KV_TOLERANCE: f32 = 0.1;
 
 #[cfg(feature = "cuda")]
