@@ -168,7 +168,18 @@ impl CudaDevice {
 
     /// Device address of the row → sequence map for the batch whose positions are `positions`.
     pub(super) fn row_seq_ptr(&self, st: &mut State, b: &AttnBatch<'_>) -> u64 {
-        let staged_here = matches!(st.row_seq, Some(e) if e.addr == b.positions.as_ptr() as usize && e.len == b.positions.len());
+        // The last staged batch is this one if the positions are the same slice with the same
+        // contents (and the contexts too): a caller outside a forward may hand over a fresh vector
+        // at a freed one's address (session 23's attention check did), which the address alone
+        // would take for the old batch. A forward's ops find the slices stage_batch copied, so
+        // the comparison (a few kilobytes a call) always matches there.
+        let same = |st: &State, i: usize, s: &[u32]| {
+            let e = st.staged[i];
+            e.addr == s.as_ptr() as usize && st.host_meta.get(e.offset..e.offset + e.len) == Some(s)
+        };
+        let staged_here = matches!(st.row_seq, Some(e) if e.addr == b.positions.as_ptr() as usize && e.len == b.positions.len())
+            && same(st, 1, b.positions)
+            && same(st, 3, b.ctx_lens);
         if !staged_here {
             // An op called outside a staged forward: stage this batch now.
             self.stage(st, &[], b, &[], &[]);
