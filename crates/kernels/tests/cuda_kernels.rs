@@ -71,24 +71,27 @@ const KV_HEAD_CASES: &[(usize, usize, usize, usize)] = &[(16, 2, 128, 16), (8, 2
 const KV_HEAD_DECODE_CASES: &[(usize, usize, usize, usize)] =
     &[(2, 2, 64, 4), (4, 2, 128, 8), (8, 2, 64, 16), (32, 8, 128, 16), (8, 1, 128, 4), (6, 2, 256, 16), (16, 2, 256, 8), (12, 2, 64, 8), (4, 4, 256, 4), (5, 1, 128, 16)];
 
-/// The attention by KV head (`decode_attention.cu`, the streamed kernel; taken from one row here,
-/// so the decode steps and the prefill rows of head dim 256 run on it) for every head dim it is
-/// built for and groups of 1 to 8 query heads per KV head.
+/// Both checks of the attention by KV head, on the streamed kernel or (`v1`) the first; taken
+/// from one row here, so the decode steps and the prefill rows of head dim 256 run on it.
+fn attention_by_kv_head(v1: bool) {
+    let g = gpu().with_attn_gqa_min_rows(1).with_attn_decode(v1);
+    device_kernels::paged_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_CASES);
+    device_kernels::decode_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_DECODE_CASES);
+}
+
+/// The attention by KV head (`decode_attention.cu`, the streamed kernel, the default) for every
+/// head dim it is built for and groups of 1 to 8 query heads per KV head.
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn attention_by_kv_head_matches_cpu() {
-    let g = gpu().with_attn_gqa_min_rows(1).with_attn_decode(false);
-    device_kernels::paged_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_CASES);
-    device_kernels::decode_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_DECODE_CASES);
+    attention_by_kv_head(false);
 }
 
 /// The same checks on the first attention-by-KV-head kernel (`QUIVER_CUDA_ATTN_DECODE=v1`).
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn attention_by_kv_head_v1_matches_cpu() {
-    let g = gpu().with_attn_gqa_min_rows(1).with_attn_decode(true);
-    device_kernels::paged_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_CASES);
-    device_kernels::decode_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_DECODE_CASES);
+    attention_by_kv_head(true);
 }
 
 /// The batch-1 GEMVs with RoPE or SiLU·mul fused into their epilogue against the CPU running

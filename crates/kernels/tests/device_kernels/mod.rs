@@ -226,6 +226,18 @@ pub fn paged_attention_matches_cpu(g: &dyn Device, tol: &Tolerances) {
 }
 
 /// The checks of [`paged_attention_matches_cpu`] over `(q heads, kv heads, head dim, block size)`.
+/// Block tables of `seqs` sequences of `max_blocks` blocks each, drawn without repeats from a
+/// shuffled pool of a few more blocks (so no table is in order): the pool's size and the tables.
+fn shuffled_block_tables(r: &mut Rng, seqs: usize, max_blocks: usize) -> (usize, Vec<u32>) {
+    let num_blocks = seqs * max_blocks + 3;
+    let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+    for i in (1..pool.len()).rev() {
+        pool.swap(i, r.below(i + 1));
+    }
+    pool.truncate(seqs * max_blocks);
+    (num_blocks, pool)
+}
+
 pub fn paged_attention_cases_match_cpu(g: &dyn Device, tol: &Tolerances, cases: &[(usize, usize, usize, usize)]) {
     let c = CpuDevice::new();
     let mut r = Rng::fresh("attention");
@@ -233,12 +245,7 @@ pub fn paged_attention_cases_match_cpu(g: &dyn Device, tol: &Tolerances, cases: 
         let lens = [1usize, 5, 17, 40, 64, 130, 200, 3]; // 8 rows in the decode step
         let chunk = 70;
         let max_blocks = (lens.iter().max().unwrap() + 1 + chunk).div_ceil(bs);
-        let num_blocks = lens.len() * max_blocks + 3;
-        let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
-        for i in (1..pool.len()).rev() {
-            pool.swap(i, r.below(i + 1));
-        }
-        let tables: Vec<u32> = pool[..lens.len() * max_blocks].to_vec();
+        let (num_blocks, tables) = shuffled_block_tables(&mut r, lens.len(), max_blocks);
         let layout = KvLayout { num_layers: 2, num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
         let (mut kc, mut kg) = (c.alloc_kv(layout), g.alloc_kv(layout));
         let width = (nh + 2 * nkv) * hd;
@@ -280,12 +287,7 @@ pub fn decode_attention_cases_match_cpu(g: &dyn Device, tol: &Tolerances, cases:
     let lens = [0usize, 1, 2, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100, 127, 128, 129, 200, 255, 256, 257, 380, 511, 1100, 0, 5, 9, 24, 48, 80, 160, 177, 3, 12, 40, 96, 150, 190, 700, 1023, 7];
     for &(nh, nkv, hd, bs) in cases {
         let max_blocks = (lens.iter().max().unwrap() + 2).div_ceil(bs);
-        let num_blocks = lens.len() * max_blocks + 3;
-        let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
-        for i in (1..pool.len()).rev() {
-            pool.swap(i, r.below(i + 1));
-        }
-        let tables: Vec<u32> = pool[..lens.len() * max_blocks].to_vec();
+        let (num_blocks, tables) = shuffled_block_tables(&mut r, lens.len(), max_blocks);
         let layout = KvLayout { num_layers: 1, num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
         let (mut kc, mut kg) = (c.alloc_kv(layout), g.alloc_kv(layout));
         let width = (nh + 2 * nkv) * hd;
@@ -315,11 +317,10 @@ pub fn decode_attention_cases_match_cpu(g: &dyn Device, tol: &Tolerances, cases:
                 (w, wg, poisoned(g, rows * n))
             });
             c.paged_attention(&qc, &b, &mut kc, 0, nh, scale, &mut oc);
-            // Staged explicitly: the decode steps' metadata vectors have one length, and a fresh
-            // one may reuse the last one's address, which CUDA's implicit staging of an op called
-            // outside a forward (by the positions' address and length) would take for the old
-            // batch (the first device run read step 1's tables at step 2).
-            g.stage_batch(&[], &b, &[], &[]);
+            // Not staged first, like every op of these checks: the decode steps' metadata vectors
+            // have one length, so a fresh one may sit at the last one's address, which a device
+            // staging implicitly must not take for the old batch (CUDA compared the address
+            // alone until session 23, and both attention kernels read step 1's positions here).
             g.paged_attention(&qg, &b, &mut kg, 0, nh, scale, &mut og);
             let gemm = gemm.map(|(w, wg, mut yg)| {
                 g.matmul(&og, rows, &wg, None, &mut yg); // right after the attention
