@@ -83,7 +83,11 @@ impl CudaDevice {
             _ if maj < 9 => 0,
             Ok("1") => 1,
             Ok("2") => 2,
-            _ => 0,
+            Ok("0") | Err(_) => 0,
+            Ok(v) => {
+                tracing::warn!("QUIVER_CUDA_LORA_EPILOGUE={v:?} is not 0, 1 or 2: 0 (the default)");
+                0
+            }
         };
         let ahead_default = if lora_epilogue > 0 { 2 } else { lora_rows_max.max(1) + 1 };
         let lora_ahead_min_rows = match std::env::var("QUIVER_CUDA_LORA_AHEAD").as_deref() {

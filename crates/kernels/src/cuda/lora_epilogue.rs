@@ -22,7 +22,6 @@
 //! with the one-launch kernel (`lora_rows.rs`), so a deferral never outlives the op after it.
 
 use super::lora::LoraSite;
-use super::lora_rows::{CLUSTER as LORA_ROWS_CLUSTER, THREADS as LORA_ROWS_THREADS};
 use super::*;
 use crate::lora::LoraCall;
 
@@ -127,12 +126,9 @@ impl CudaDevice {
 
     /// Adds a deferred delta into its residual with the one-launch kernel.
     pub(super) fn launch_lora_deferred(&self, d: Option<Deferred>) {
-        let Some(d) = d else { return };
-        let (s, sh) = (d.site, d.site.shape);
-        launch!(self, d.rows_kernel, (d.rows as u32 * LORA_ROWS_CLUSTER, 1, 1), (LORA_ROWS_THREADS, 1, 1), smem = 0, cluster = LORA_ROWS_CLUSTER;
-            d.x, s.a, s.b, s.gp, s.cap as i32, s.ranks, s.scal, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, sh.b_ld as i32,
-            s.off(1) as i32, s.off(2) as i32, sh.out_dim() as i32, 1i32, d.resid);
-        self.mark("lora rows");
+        if let Some(d) = d {
+            self.lora_rows_launch_at(d.rows_kernel, &d.site, d.x, d.rows, d.resid, true);
+        }
     }
 
     /// [`Self::launch_lora_deferred`] of whatever is deferred (ops that read the residual).

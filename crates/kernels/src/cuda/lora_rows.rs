@@ -20,6 +20,7 @@
 //! and the step cost was no better anywhere (64 rows, one adapter: +20.9% → +20.3%). Re-reading
 //! the adapter from L2 is not what bounds this kernel.
 
+use super::lora::LoraSite;
 use super::*;
 use crate::lora::LoraCall;
 
@@ -28,9 +29,9 @@ use crate::lora::LoraCall;
 /// (8B shape, one rank-16 adapter, H100, session 21).
 pub(super) const DEFAULT_MAX_ROWS: usize = 64;
 /// Blocks per row, one cluster (`LRW_CL`).
-pub(super) const CLUSTER: u32 = 8;
+const CLUSTER: u32 = 8;
 /// Threads per block (`LRW_THREADS`).
-pub(super) const THREADS: u32 = 256;
+const THREADS: u32 = 256;
 /// Widest shrink the kernel holds (`LRW_MAX_W`: three slices of rank 64).
 const MAX_WIDTH: usize = 192;
 /// Widest output: every row reads its slot's whole Bᵀ, so an LM head (a vocabulary of columns,
@@ -69,9 +70,15 @@ impl CudaDevice {
             }
             return;
         };
+        drop(st);
+        self.lora_rows_launch_at(f, &site, buf(x), rows, y, add);
+    }
+
+    /// [`Self::lora_rows_launch`] for a site already resolved, its input rows at `x`.
+    pub(super) fn lora_rows_launch_at(&self, f: sys::CUfunction, site: &LoraSite, x: u64, rows: usize, y: u64, add: bool) {
         let sh = site.shape;
         launch!(self, f, (rows as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
-            buf(x), site.a, site.b, site.gp, site.cap as i32, site.ranks, site.scal, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, sh.b_ld as i32,
+            x, site.a, site.b, site.gp, site.cap as i32, site.ranks, site.scal, sh.n_slices as i32, sh.max_rank as i32, sh.in_dim as i32, sh.b_ld as i32,
             site.off(1) as i32, site.off(2) as i32, sh.out_dim() as i32, add as i32, y);
         self.mark("lora rows");
     }
