@@ -11,6 +11,7 @@ assembled for sm_90 too, and kernels that spill registers are listed (a report, 
 """
 import ctypes
 import pathlib
+import os
 import re
 import subprocess
 import sys
@@ -73,6 +74,9 @@ def main():
             m = re.search(r"Compiling entry function '(\w+)'", l)
             if m:
                 kernel = m.group(1)
+            m = re.search(r"Used (\d+) registers", l)
+            if m and kernel and os.environ.get("NVRTC_GATE_REGS") and re.search(os.environ["NVRTC_GATE_REGS"], kernel):
+                print(f"nvrtc_gate: {kernel}: {m.group(1)} registers")
             m = re.search(r"(\d+) bytes spill stores", l)
             if m and int(m.group(1)) > 0:
                 print(f"nvrtc_gate: {kernel} spills ({l.strip()})")

@@ -272,7 +272,7 @@ impl LoraExpertCall<'_> {
     }
     /// Token rows of the staged groups (`token_groups` is [`packed_len`] of them).
     pub fn token_rows(&self) -> usize {
-        self.token_groups.len().saturating_sub(1) / 6
+        packed_capacity(self.token_groups.len())
     }
     /// The staged row-slot table: word offset of token row 0's slot in `token_groups`.
     pub fn row_slot_offset(&self) -> usize {
@@ -289,9 +289,15 @@ pub enum LoraX<'a> {
     TokenIds(&'a [u32]),
 }
 
-/// u32 words of [`pack_tiles`]'s layout for `capacity` rows.
+/// u32 words of [`pack_tiles`]'s layout for `capacity` rows (a header word, then tables of
+/// `capacity` words each; [`LoraExpertCall::token_rows`] reads the capacity back from the length).
 pub fn packed_len(capacity: usize) -> usize {
-    1 + 6 * capacity
+    1 + 7 * capacity
+}
+
+/// The row capacity of [`pack_tiles`]' layout of `len` words (the inverse of [`packed_len`]).
+pub fn packed_capacity(len: usize) -> usize {
+    len.saturating_sub(1) / (packed_len(1) - 1)
 }
 
 /// [`pack_tiles`]' marker for a row in no group (a base row) in its row-indexed tables.
@@ -348,11 +354,15 @@ pub fn for_contiguous_runs(packed: &[u32], capacity: usize, min_run: usize, mut 
 /// [1+3C .. 1+4C]           tile_slot[i]
 /// [1+4C .. 1+5C]           row_pos[r]: the position of row r, NO_POSITION for base rows
 /// [1+5C .. 1+6C]           row_slot[r]: the slot of row r, NO_POSITION for base rows
+/// [1+6C .. 1+7C]           walk[i]: every row once, the grouped rows in permutation order
+///                          (rows of one slot next to each other) then the base rows in order;
+///                          NO_POSITION past the rows
 /// ```
 /// Positions index the permutation for chunks; for segments the permutation lists the grouped
 /// rows in order. Unused tile entries are zero, so a kernel launched over all `C` tiles skips
 /// them. The row-indexed tables serve kernels that walk rows rather than tiles (CUDA computes a
-/// site's shrink in the RMSNorm that makes its input, one row at a time).
+/// site's shrink in the RMSNorm that makes its input, one row at a time); the walk serves
+/// kernels that take every row but share an adapter's loads between neighbours in it.
 pub fn pack_tiles(groups: &LoraGroups<'_>, tile_rows: usize, capacity: usize, out: &mut Vec<u32>) {
     let c = capacity.max(groups.rows);
     out.clear();
@@ -362,9 +372,11 @@ pub fn pack_tiles(groups: &LoraGroups<'_>, tile_rows: usize, capacity: usize, ou
     let (tstart, rest) = rest.split_at_mut(c);
     let (tlen, rest) = rest.split_at_mut(c);
     let (tslot, rest) = rest.split_at_mut(c);
-    let (row_pos, row_slot) = rest.split_at_mut(c);
+    let (row_pos, rest) = rest.split_at_mut(c);
+    let (row_slot, walk) = rest.split_at_mut(c);
     row_pos.fill(NO_POSITION);
     row_slot.fill(NO_POSITION);
+    walk.fill(NO_POSITION);
     let mut pos = 0u32;
     let mut tiles = 0usize;
     for g in 0..groups.num_groups() {
@@ -401,6 +413,20 @@ pub fn pack_tiles(groups: &LoraGroups<'_>, tile_rows: usize, capacity: usize, ou
         }
     }
     out[0] = tiles as u32;
+    // The walk: grouped rows by position (positions are 0..grouped), then the base rows.
+    let (rest, walk) = out[1 + 4 * c..].split_at_mut(2 * c);
+    let row_pos = &rest[..c];
+    let grouped = row_pos[..groups.rows].iter().filter(|&&p| p != NO_POSITION).count();
+    let mut next = grouped;
+    for (r, &p) in row_pos[..groups.rows].iter().enumerate() {
+        if p == NO_POSITION {
+            walk[next] = r as u32;
+            next += 1;
+        } else {
+            debug_assert!((p as usize) < grouped, "positions are 0..grouped");
+            walk[p as usize] = r as u32;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -424,6 +450,8 @@ mod tests {
         // Row-indexed: row r's position in the permutation and its slot; rows 6, 7 unused.
         assert_eq!(&out[33..41], &[0, 1, 5, 2, 3, 4, NO_POSITION, NO_POSITION]);
         assert_eq!(&out[41..49], &[0, 0, 1, 0, 0, 0, NO_POSITION, NO_POSITION]);
+        // The walk: the permutation, then nothing (no base rows).
+        assert_eq!(&out[49..57], &[0, 1, 3, 4, 5, 2, NO_POSITION, NO_POSITION]);
         // Segments: rows 2..5 (slot 1) and 7..8 (slot 0); the packed permutation lists them.
         let g = LoraGroups { rows: 9, adapter_rows: 4, group_rows: GroupRows::Contiguous, start: &[2, 7], end: &[5, 8], slot: &[1, 0], packed: &[] };
         pack_tiles(&g, 16, 9, &mut out);
@@ -436,6 +464,20 @@ mod tests {
         let n = NO_POSITION;
         assert_eq!(&out[37..46], &[n, n, 0, 1, 2, n, n, 3, n]);
         assert_eq!(&out[46..55], &[n, n, 1, 1, 1, n, n, 0, n]);
+        // The walk: grouped rows 2, 3, 4, 7, then base rows 0, 1, 5, 6, 8.
+        assert_eq!(&out[55..64], &[2, 3, 4, 7, 0, 1, 5, 6, 8]);
+    }
+
+    #[test]
+    fn packed_groups_give_their_capacity_back() {
+        // What the expert LoRA op reads the token rows from (it once divided by a stale count).
+        let mut out = Vec::new();
+        for (rows, cap) in [(1usize, 1usize), (5, 5), (6, 6), (6, 9), (64, 64), (300, 320)] {
+            let perm: Vec<u32> = (0..rows as u32).collect();
+            let g = LoraGroups { rows, adapter_rows: rows, group_rows: GroupRows::Permuted(&perm), start: &[0], end: &[rows as u32], slot: &[0], packed: &[] };
+            pack_tiles(&g, 64, cap, &mut out);
+            assert_eq!(packed_capacity(out.len()), cap, "{rows} rows packed for {cap}");
+        }
     }
 
     #[test]
