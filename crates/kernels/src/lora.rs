@@ -292,7 +292,7 @@ pub enum LoraX<'a> {
 /// u32 words of [`pack_tiles`]'s layout for `capacity` rows (a header word, then tables of
 /// `capacity` words each; [`LoraExpertCall::token_rows`] reads the capacity back from the length).
 pub fn packed_len(capacity: usize) -> usize {
-    1 + 7 * capacity
+    1 + 6 * capacity
 }
 
 /// The row capacity of [`pack_tiles`]' layout of `len` words (the inverse of [`packed_len`]).
@@ -354,15 +354,11 @@ pub fn for_contiguous_runs(packed: &[u32], capacity: usize, min_run: usize, mut 
 /// [1+3C .. 1+4C]           tile_slot[i]
 /// [1+4C .. 1+5C]           row_pos[r]: the position of row r, NO_POSITION for base rows
 /// [1+5C .. 1+6C]           row_slot[r]: the slot of row r, NO_POSITION for base rows
-/// [1+6C .. 1+7C]           walk[i]: every row once, the grouped rows in permutation order
-///                          (rows of one slot next to each other) then the base rows in order;
-///                          NO_POSITION past the rows
 /// ```
 /// Positions index the permutation for chunks; for segments the permutation lists the grouped
 /// rows in order. Unused tile entries are zero, so a kernel launched over all `C` tiles skips
 /// them. The row-indexed tables serve kernels that walk rows rather than tiles (CUDA computes a
-/// site's shrink in the RMSNorm that makes its input, one row at a time); the walk serves
-/// kernels that take every row but share an adapter's loads between neighbours in it.
+/// site's shrink in the RMSNorm that makes its input, one row at a time).
 pub fn pack_tiles(groups: &LoraGroups<'_>, tile_rows: usize, capacity: usize, out: &mut Vec<u32>) {
     let c = capacity.max(groups.rows);
     out.clear();
@@ -372,11 +368,9 @@ pub fn pack_tiles(groups: &LoraGroups<'_>, tile_rows: usize, capacity: usize, ou
     let (tstart, rest) = rest.split_at_mut(c);
     let (tlen, rest) = rest.split_at_mut(c);
     let (tslot, rest) = rest.split_at_mut(c);
-    let (row_pos, rest) = rest.split_at_mut(c);
-    let (row_slot, walk) = rest.split_at_mut(c);
+    let (row_pos, row_slot) = rest.split_at_mut(c);
     row_pos.fill(NO_POSITION);
     row_slot.fill(NO_POSITION);
-    walk.fill(NO_POSITION);
     let mut pos = 0u32;
     let mut tiles = 0usize;
     for g in 0..groups.num_groups() {
@@ -413,20 +407,6 @@ pub fn pack_tiles(groups: &LoraGroups<'_>, tile_rows: usize, capacity: usize, ou
         }
     }
     out[0] = tiles as u32;
-    // The walk: grouped rows by position (positions are 0..grouped), then the base rows.
-    let (rest, walk) = out[1 + 4 * c..].split_at_mut(2 * c);
-    let row_pos = &rest[..c];
-    let grouped = row_pos[..groups.rows].iter().filter(|&&p| p != NO_POSITION).count();
-    let mut next = grouped;
-    for (r, &p) in row_pos[..groups.rows].iter().enumerate() {
-        if p == NO_POSITION {
-            walk[next] = r as u32;
-            next += 1;
-        } else {
-            debug_assert!((p as usize) < grouped, "positions are 0..grouped");
-            walk[p as usize] = r as u32;
-        }
-    }
 }
 
 #[cfg(test)]
@@ -450,8 +430,6 @@ mod tests {
         // Row-indexed: row r's position in the permutation and its slot; rows 6, 7 unused.
         assert_eq!(&out[33..41], &[0, 1, 5, 2, 3, 4, NO_POSITION, NO_POSITION]);
         assert_eq!(&out[41..49], &[0, 0, 1, 0, 0, 0, NO_POSITION, NO_POSITION]);
-        // The walk: the permutation, then nothing (no base rows).
-        assert_eq!(&out[49..57], &[0, 1, 3, 4, 5, 2, NO_POSITION, NO_POSITION]);
         // Segments: rows 2..5 (slot 1) and 7..8 (slot 0); the packed permutation lists them.
         let g = LoraGroups { rows: 9, adapter_rows: 4, group_rows: GroupRows::Contiguous, start: &[2, 7], end: &[5, 8], slot: &[1, 0], packed: &[] };
         pack_tiles(&g, 16, 9, &mut out);
@@ -464,13 +442,12 @@ mod tests {
         let n = NO_POSITION;
         assert_eq!(&out[37..46], &[n, n, 0, 1, 2, n, n, 3, n]);
         assert_eq!(&out[46..55], &[n, n, 1, 1, 1, n, n, 0, n]);
-        // The walk: grouped rows 2, 3, 4, 7, then base rows 0, 1, 5, 6, 8.
-        assert_eq!(&out[55..64], &[2, 3, 4, 7, 0, 1, 5, 6, 8]);
     }
 
     #[test]
     fn packed_groups_give_their_capacity_back() {
-        // What the expert LoRA op reads the token rows from (it once divided by a stale count).
+        // What the expert LoRA op reads its token rows from: it divided by the tables' count, a
+        // second copy of the layout that a new table would silently break.
         let mut out = Vec::new();
         for (rows, cap) in [(1usize, 1usize), (5, 5), (6, 6), (6, 9), (64, 64), (300, 320)] {
             let perm: Vec<u32> = (0..rows as u32).collect();

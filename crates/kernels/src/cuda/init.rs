@@ -89,10 +89,6 @@ impl CudaDevice {
                 0
             }
         };
-        // The LoRA epilogue kernels and the norm's shrink over groups of rows in the slot-sorted
-        // walk, one A / Bᵀ load serving each row of the group's adapter (`*_rg` in
-        // lora_epilogue.cu and lora_ahead.cu); opt-in until measured.
-        let lora_row_groups = std::env::var_os("QUIVER_CUDA_LORA_ROW_GROUPS").is_some_and(|v| v == "1");
         let ahead_default = if lora_epilogue > 0 { 2 } else { lora_rows_max.max(1) + 1 };
         let lora_ahead_min_rows = match std::env::var("QUIVER_CUDA_LORA_AHEAD").as_deref() {
             Ok("0") => None,
@@ -167,7 +163,6 @@ impl CudaDevice {
             lora_row1,
             lora_rows_max,
             lora_epilogue,
-            lora_row_groups,
             attn_gqa_min_rows,
             attn_decode,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),

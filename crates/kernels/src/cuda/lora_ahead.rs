@@ -23,8 +23,6 @@ const CLUSTER: u32 = 8;
 const THREADS: u32 = 256;
 /// Widest shrink the kernel holds (`LAH_MAX_W`: three slices of rank 64).
 const MAX_WIDTH: usize = 192;
-/// Rows per cluster of the row-group kernels (`LAH_G`).
-const ROW_GROUP: usize = 4;
 
 /// Which call the norm computed a shrink for, and what was queued last then.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -96,26 +94,14 @@ impl CudaDevice {
         }
         let ob = self.shadow_for(&mut st, rows, dim);
         let dp = delta.map(buf).unwrap_or(0);
-        // Row groups (lora_ahead.cu `*_rg`) hold a block's slice of LAH_G rows in shared memory:
-        // slices of at most 512 inputs (the first two kernels).
-        let groups = self.lora_row_groups && fi < 2;
-        let (t, m) = (st.lora_ahead_t.ptr, rows as i32);
-        match (deferred, groups) {
-            (None, false) => launch!(self, self.k.rms_norm_shrink[fi], (rows as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
-                buf(x), dp, buf(w), buf(out), ob, dim as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, t),
-            (None, true) => launch!(self, self.k.rms_norm_shrink_rg[fi], (rows.div_ceil(ROW_GROUP) as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
-                buf(x), dp, buf(w), buf(out), ob, dim as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, t, m),
-            (Some(d), false) => {
+        match deferred {
+            None => launch!(self, self.k.rms_norm_shrink[fi], (rows as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
+                buf(x), dp, buf(w), buf(out), ob, dim as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr),
+            Some(d) => {
                 let p = d.site;
                 launch!(self, self.k.rms_norm_lora2[fi], (rows as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
-                    buf(x), dp, buf(w), buf(out), ob, dim as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, t,
+                    buf(x), dp, buf(w), buf(out), ob, dim as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr,
                     d.x, p.shape.in_dim as i32, p.a, p.b, p.ranks, p.scal, p.shape.max_rank as i32, p.shape.b_ld as i32)
-            }
-            (Some(d), true) => {
-                let p = d.site;
-                launch!(self, self.k.rms_norm_lora2_rg[fi], (rows.div_ceil(ROW_GROUP) as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
-                    buf(x), dp, buf(w), buf(out), ob, dim as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, t,
-                    d.x, p.shape.in_dim as i32, p.a, p.b, p.ranks, p.scal, p.shape.max_rank as i32, p.shape.b_ld as i32, m)
             }
         }
         self.set_shadow(&mut st, ob, buf(out), rows * dim);

@@ -62,22 +62,6 @@ __device__ __forceinline__ void lep_store8(float* p, const float* v) {
     reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-// RoPE of the 8 rotate pairs (x0[e], x1[e]) of half-dim index i0.. at position pos, stored at
-// row + o0 / o1 (rope_qk's arithmetic exactly).
-__device__ __forceinline__ void lep_rope_store8(float* row, int o0, int o1, const float* x0, const float* x1, const float* __restrict__ cos_t,
-                                                const float* __restrict__ sin_t, int pos, int half, int i0) {
-    float c[8], s[8], y0[8], y1[8];
-    lep_load8(cos_t + (size_t)pos * half + i0, c);
-    lep_load8(sin_t + (size_t)pos * half + i0, s);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        y0[e] = fmaf(x0[e], c[e], -(x1[e] * s[e]));
-        y1[e] = fmaf(x1[e], c[e], x0[e] * s[e]);
-    }
-    lep_store8(row + o0, y0);
-    lep_store8(row + o1, y1);
-}
-
 // Slice j of column o, times the rank: where its coefficients start.
 __device__ __forceinline__ int lep_slice_at(int o, int off1, int off2, int rk) { return ((o >= off1) + (o >= off2)) * rk; }
 
@@ -101,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS) rope_qk_lora(float* __
     if (u < qk_units) {
         const int h = u / hp, i0 = (u - h * hp) * 8;
         const int o0 = h * head_dim + i0, o1 = o0 + half;
-        float x0[8], x1[8];
+        float x0[8], x1[8], c[8], s[8];
         lep_load8(row + o0, x0);
         lep_load8(row + o1, x1);
         if (rk) {
@@ -112,7 +96,17 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS) rope_qk_lora(float* __
 #pragma unroll
             for (int e = 0; e < 8; ++e) x0[e] += d0[e], x1[e] += d1[e];
         }
-        lep_rope_store8(row, o0, o1, x0, x1, cos_t, sin_t, min((int)positions[r], max_pos - 1), half, i0);
+        const int pos = min((int)positions[r], max_pos - 1);
+        lep_load8(cos_t + (size_t)pos * half + i0, c);
+        lep_load8(sin_t + (size_t)pos * half + i0, s);
+        float y0[8], y1[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            y0[e] = fmaf(x0[e], c[e], -(x1[e] * s[e])); // rope_qk's arithmetic exactly
+            y1[e] = fmaf(x1[e], c[e], x0[e] * s[e]);
+        }
+        lep_store8(row + o0, y0);
+        lep_store8(row + o1, y1);
     } else if (rk) {
         const int o0 = heads_qk * head_dim + (u - qk_units) * 8;
         float x[8], d[8];
@@ -155,170 +149,5 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS) silu_mul_lora(const fl
     if (outb) {
         store_bf16x4(outb + o, make_float4(v[0], v[1], v[2], v[3]));
         store_bf16x4(outb + o + 4, make_float4(v[4], v[5], v[6], v[7]));
-    }
-}
-
-// ---- The same epilogues over groups of rows that share an adapter's Bᵀ loads ----
-//
-// At 64 decode rows of one adapter the kernels above read the slot's Bᵀ once per row (gate_up's
-// is 917 KB at rank 16 on the 8B shape: 58 MB of L2 reads a layer), which is what their time
-// goes to. Here a block takes LEP_RG rows of the staged walk (lora.rs `pack_tiles`: the grouped
-// rows by slot, then the base rows), so rows of one slot sit next to each other; for each run of
-// rows of one slot a thread loads its 8 columns of Bᵀ once per rank step for all of them. Each
-// row's delta is the same sum in the same order as above (Σ_k from zero in rank order, then
-// added to the column), so the output is bit-identical to the per-row kernels.
-
-#define LEP_RG 4
-
-struct LepRows {
-    int row[LEP_RG]; // the rows (-1 past the step)
-    int rk[LEP_RG];  // their ranks (0: a base row)
-    u32 slot[LEP_RG];
-};
-
-// The group's rows and their scaled coefficients coef[i · W + j]; every thread calls it (it ends
-// with a barrier).
-__device__ __forceinline__ void lep_group(const float* __restrict__ t, const u32* __restrict__ G, int C, const u32* __restrict__ ranks,
-                                          const float* __restrict__ scal, int n_slices, int W, int m, float* coef, LepRows& g) {
-    const int i0 = blockIdx.y * LEP_RG;
-#pragma unroll
-    for (int i = 0; i < LEP_RG; ++i) {
-        const u32 r = i0 + i < m ? G[1 + 6 * C + i0 + i] : LEP_NONE;
-        g.row[i] = r == LEP_NONE ? -1 : (int)r;
-        const u32 p = r == LEP_NONE ? LEP_NONE : G[1 + 4 * C + r], s = r == LEP_NONE ? LEP_NONE : G[1 + 5 * C + r];
-        g.rk[i] = (p == LEP_NONE || s == LEP_NONE) ? 0 : (int)ranks[s];
-        g.slot[i] = s;
-        for (int j = threadIdx.x; j < n_slices * g.rk[i]; j += blockDim.x) coef[i * W + j] = t[(size_t)p * W + j] * scal[s * 3 + j / g.rk[i]];
-    }
-    __syncthreads();
-}
-
-// d[i][e] = Σ_k coef[i·W + js·rk + k]·Bᵀ[slot][k][o0 + e] over k < rk (the slot's rank) for every
-// row i of the group with an adapter, one run of rows of one slot at a time, each Bᵀ load serving
-// the whole run; rows without an adapter get zeros.
-__device__ __forceinline__ void lep_delta8_rows(const LepRows& g, const bf16_t* __restrict__ Bt, int R, int b_ld, int o0, const float* coef, int W,
-                                                int js, float (*d)[8]) {
-#pragma unroll
-    for (int i = 0; i < LEP_RG; ++i)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) d[i][e] = 0.f;
-    for (int i0 = 0; i0 < LEP_RG;) {
-        if (!g.rk[i0]) {
-            ++i0;
-            continue;
-        }
-        const u32 s = g.slot[i0];
-        const int rk = g.rk[i0], jr = js * rk;
-        int i1 = i0 + 1;
-        while (i1 < LEP_RG && g.rk[i1] && g.slot[i1] == s) ++i1;
-        const bf16_t* b = Bt + (size_t)s * R * b_ld;
-        for (int k0 = 0; k0 < rk; k0 += 8) {
-            uint4 bq[8];
-#pragma unroll
-            for (int q = 0; q < 8; ++q) bq[q] = k0 + q < rk ? __ldg(reinterpret_cast<const uint4*>(b + (size_t)(k0 + q) * b_ld + o0)) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int q = 0; q < 8; ++q) {
-                if (k0 + q < rk) {
-                    float bf[8];
-                    bf16x8_to_f32(bq[q], bf);
-#pragma unroll
-                    for (int i = 0; i < LEP_RG; ++i) {
-                        if (i >= i0 && i < i1) {
-                            const float c = coef[i * W + jr + k0 + q];
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) d[i][e] += c * bf[e];
-                        }
-                    }
-                }
-            }
-        }
-        i0 = i1;
-    }
-}
-
-// rope_qk_lora over row groups: grid (units / LEP_THREADS, ceil(rows / LEP_RG)), as rope_qk_lora.
-extern "C" __global__ void __launch_bounds__(LEP_THREADS) rope_qk_lora_rg(float* __restrict__ qkv, const u32* __restrict__ positions, const float* __restrict__ cos_t,
-        const float* __restrict__ sin_t, int heads_qk, int head_dim, int half, int width, int max_pos, const float* __restrict__ t,
-        const bf16_t* __restrict__ Bt, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, const float* __restrict__ scal,
-        int n_slices, int R, int b_ld, int off1, int off2, int m) {
-    __shared__ float coef[LEP_RG * LEP_MAX_W];
-    pdl_entry();
-    const int W = n_slices * R;
-    LepRows g;
-    lep_group(t, G, C, ranks, scal, n_slices, W, m, coef, g);
-    const int hp = half / 8, qk_units = heads_qk * hp;
-    const int units = qk_units + (width - heads_qk * head_dim) / 8;
-    const int u = blockIdx.x * blockDim.x + threadIdx.x;
-    if (u >= units) return;
-    if (u < qk_units) {
-        const int h = u / hp, i0 = (u - h * hp) * 8;
-        const int o0 = h * head_dim + i0, o1 = o0 + half;
-        const int js = (o0 >= off1) + (o0 >= off2); // a head lies in one slice
-        float d0[LEP_RG][8], d1[LEP_RG][8];
-        lep_delta8_rows(g, Bt, R, b_ld, o0, coef, W, js, d0);
-        lep_delta8_rows(g, Bt, R, b_ld, o1, coef, W, js, d1);
-#pragma unroll
-        for (int i = 0; i < LEP_RG; ++i) {
-            if (g.row[i] < 0) continue;
-            float* row = qkv + (size_t)g.row[i] * width;
-            float x0[8], x1[8];
-            lep_load8(row + o0, x0);
-            lep_load8(row + o1, x1);
-            if (g.rk[i]) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) x0[e] += d0[i][e], x1[e] += d1[i][e];
-            }
-            lep_rope_store8(row, o0, o1, x0, x1, cos_t, sin_t, min((int)positions[g.row[i]], max_pos - 1), half, i0);
-        }
-    } else {
-        const int o0 = heads_qk * head_dim + (u - qk_units) * 8;
-        float d[LEP_RG][8];
-        lep_delta8_rows(g, Bt, R, b_ld, o0, coef, W, (o0 >= off1) + (o0 >= off2), d);
-#pragma unroll
-        for (int i = 0; i < LEP_RG; ++i) {
-            if (g.row[i] < 0 || !g.rk[i]) continue;
-            float* row = qkv + (size_t)g.row[i] * width;
-            float x[8];
-            lep_load8(row + o0, x);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) x[e] += d[i][e];
-            lep_store8(row + o0, x);
-        }
-    }
-}
-
-// silu_mul_lora over row groups: grid (inter / 8 / LEP_THREADS, ceil(rows / LEP_RG)).
-extern "C" __global__ void __launch_bounds__(LEP_THREADS) silu_mul_lora_rg(const float* __restrict__ gu, float* __restrict__ out, bf16_t* __restrict__ outb, int inter,
-        const float* __restrict__ t, const bf16_t* __restrict__ Bt, const u32* __restrict__ G, int C, const u32* __restrict__ ranks,
-        const float* __restrict__ scal, int n_slices, int R, int b_ld, int off1, int off2, int m) {
-    __shared__ float coef[LEP_RG * LEP_MAX_W];
-    pdl_entry();
-    const int W = n_slices * R;
-    LepRows g;
-    lep_group(t, G, C, ranks, scal, n_slices, W, m, coef, g);
-    const int i0 = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
-    if (i0 >= inter) return;
-    float dg[LEP_RG][8], du[LEP_RG][8];
-    lep_delta8_rows(g, Bt, R, b_ld, i0, coef, W, (i0 >= off1) + (i0 >= off2), dg);
-    lep_delta8_rows(g, Bt, R, b_ld, inter + i0, coef, W, (inter + i0 >= off1) + (inter + i0 >= off2), du);
-#pragma unroll
-    for (int i = 0; i < LEP_RG; ++i) {
-        if (g.row[i] < 0) continue;
-        const float* gr = gu + (size_t)g.row[i] * 2 * inter;
-        float gv[8], uv[8], v[8];
-        lep_load8(gr + i0, gv);
-        lep_load8(gr + inter + i0, uv);
-        if (g.rk[i]) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) gv[e] += dg[i][e], uv[e] += du[i][e];
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = silu_times(gv[e], uv[e]);
-        const size_t o = (size_t)g.row[i] * inter + i0;
-        lep_store8(out + o, v);
-        if (outb) {
-            store_bf16x4(outb + o, make_float4(v[0], v[1], v[2], v[3]));
-            store_bf16x4(outb + o + 4, make_float4(v[4], v[5], v[6], v[7]));
-        }
     }
 }

@@ -49,8 +49,6 @@ impl Deferred {
 const THREADS: usize = 128;
 /// Widest shrink the kernels hold (`LEP_MAX_W`).
 const MAX_WIDTH: usize = 192;
-/// Rows per block of the row-group kernels (`LEP_RG`).
-const ROW_GROUP: usize = 4;
 
 impl CudaDevice {
     /// Whether `epilogue` over `call`'s output can add the delta itself from a shrink computed
@@ -82,35 +80,22 @@ impl CudaDevice {
             return epilogue.run(self, y, m, w);
         };
         let sh = site.shape;
-        // Row groups walk the call's rows, so the call must cover the whole output.
-        let groups = self.lora_row_groups && call.groups.rows == m;
         let (cap, n_slices, r, b_ld, off1, off2) = (site.cap as i32, sh.n_slices as i32, sh.max_rank as i32, sh.b_ld as i32, site.off(1) as i32, site.off(2) as i32);
         match epilogue {
             Epilogue::RopeQk { positions, n_heads, n_kv_heads, table } => {
                 let (hd, heads_qk) = (table.head_dim, n_heads + n_kv_heads);
                 let units = heads_qk * hd / 16 + n_kv_heads * hd / 8;
                 let pp = self.meta_ptr(&mut st, &positions[..m]);
-                if groups {
-                    launch!(self, self.k.rope_qk_lora_rg, (units.div_ceil(THREADS) as u32, m.div_ceil(ROW_GROUP) as u32, 1), (THREADS as u32, 1, 1);
-                        buf(y), pp, buf(&table.cos), buf(&table.sin), heads_qk as i32, hd as i32, (hd / 2) as i32, w.rows as i32, table.max_pos as i32,
-                        t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2, m as i32);
-                } else {
-                    launch!(self, self.k.rope_qk_lora, (units.div_ceil(THREADS) as u32, m as u32, 1), (THREADS as u32, 1, 1);
-                        buf(y), pp, buf(&table.cos), buf(&table.sin), heads_qk as i32, hd as i32, (hd / 2) as i32, w.rows as i32, table.max_pos as i32,
-                        t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
-                }
+                launch!(self, self.k.rope_qk_lora, (units.div_ceil(THREADS) as u32, m as u32, 1), (THREADS as u32, 1, 1);
+                    buf(y), pp, buf(&table.cos), buf(&table.sin), heads_qk as i32, hd as i32, (hd / 2) as i32, w.rows as i32, table.max_pos as i32,
+                    t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
                 self.mark("rope + lora expand");
             }
             Epilogue::SiluMul { out } => {
                 let inter = w.rows / 2;
                 let ob = self.shadow_for(&mut st, m, inter);
-                if groups {
-                    launch!(self, self.k.silu_mul_lora_rg, ((inter / 8).div_ceil(THREADS) as u32, m.div_ceil(ROW_GROUP) as u32, 1), (THREADS as u32, 1, 1);
-                        buf(y), buf(out), ob, inter as i32, t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2, m as i32);
-                } else {
-                    launch!(self, self.k.silu_mul_lora, ((inter / 8).div_ceil(THREADS) as u32, m as u32, 1), (THREADS as u32, 1, 1);
-                        buf(y), buf(out), ob, inter as i32, t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
-                }
+                launch!(self, self.k.silu_mul_lora, ((inter / 8).div_ceil(THREADS) as u32, m as u32, 1), (THREADS as u32, 1, 1);
+                    buf(y), buf(out), ob, inter as i32, t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
                 self.set_shadow(&mut st, ob, buf(out), m * inter);
                 self.mark("silu_mul + lora expand");
             }

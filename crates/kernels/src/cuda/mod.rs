@@ -165,10 +165,6 @@ pub struct CudaDevice {
     /// `QUIVER_CUDA_LORA_EPILOGUE`: 1, qkv's and gate_up's expand in their RoPE / SiLU·mul;
     /// 2, also o_proj's and down_proj's delta in the next norm (`lora_epilogue.rs`); 0, neither.
     lora_epilogue: u8,
-    /// `QUIVER_CUDA_LORA_ROW_GROUPS=1`: the LoRA epilogue kernels and the norm's shrink take
-    /// groups of rows in the slot-sorted walk, sharing an adapter's loads (`*_rg` in
-    /// `lora_epilogue.cu` and `lora_ahead.cu`).
-    lora_row_groups: bool,
     /// Long prompts' LoRA GEMMs write the delta before the base GEMM accumulates onto it
     /// (`QUIVER_CUDA_LORA_GEMM_FIRST=0`: after, accumulating): see `lora_gemm.rs`.
     lora_gemm_first: bool,

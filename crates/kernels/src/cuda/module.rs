@@ -52,16 +52,11 @@ pub(super) struct Kernels {
     pub(super) rms_norm_shrink: [sys::CUfunction; 3],
     /// The same, adding the previous site's deferred delta first (`lora_epilogue.rs`).
     pub(super) rms_norm_lora2: [sys::CUfunction; 3],
-    /// Over row groups (`LAH_G` rows of the walk a cluster), for the first two of the above.
-    pub(super) rms_norm_shrink_rg: [sys::CUfunction; 2],
-    pub(super) rms_norm_lora2_rg: [sys::CUfunction; 2],
     /// A LoRA site's whole delta row by row, 1 / 2 / 4 / 8 input chunks a lane (`lora_rows.cu`).
     pub(super) lora_rows: [sys::CUfunction; 4],
     /// RoPE and SiLU·mul adding a LoRA expand first (`lora_epilogue.cu`).
     pub(super) rope_qk_lora: sys::CUfunction,
     pub(super) silu_mul_lora: sys::CUfunction,
-    pub(super) rope_qk_lora_rg: sys::CUfunction,
-    pub(super) silu_mul_lora_rg: sys::CUfunction,
     pub(super) sample_rows: sys::CUfunction,
     pub(super) resolve_drawn: sys::CUfunction,
     pub(super) logit_edits: sys::CUfunction,
@@ -109,13 +104,9 @@ impl Kernels {
             lora_expert_group: f("lora_expert_group")?,
             rms_norm_shrink: [f("rms_norm_shrink_1")?, f("rms_norm_shrink_2")?, f("rms_norm_shrink_4")?],
             rms_norm_lora2: [f("rms_norm_lora2_1")?, f("rms_norm_lora2_2")?, f("rms_norm_lora2_4")?],
-            rms_norm_shrink_rg: [f("rms_norm_shrink_rg_1")?, f("rms_norm_shrink_rg_2")?],
-            rms_norm_lora2_rg: [f("rms_norm_lora2_rg_1")?, f("rms_norm_lora2_rg_2")?],
             lora_rows: [f("lora_rows_1")?, f("lora_rows_2")?, f("lora_rows_4")?, f("lora_rows_8")?],
             rope_qk_lora: f("rope_qk_lora")?,
             silu_mul_lora: f("silu_mul_lora")?,
-            rope_qk_lora_rg: f("rope_qk_lora_rg")?,
-            silu_mul_lora_rg: f("silu_mul_lora_rg")?,
             sample_rows: f("sample_rows")?,
             resolve_drawn: f("resolve_drawn")?,
             logit_edits: f("logit_edits")?,
