@@ -5,8 +5,8 @@
 # each. The ratios compare within a run (base and adapter steps alternate); compare settings by
 # their ratios, not their absolute times.
 #
-#   GPU_AB          settings, space-separated (default: the defaults, each switch off, then the
-#                   opt-in LoRA epilogues, then the defaults again)
+#   GPU_AB          settings, space-separated (default: the defaults, each switch off, the LoRA
+#                   epilogue off and the opt-in deferred o/down deltas, then the defaults again)
 #   GPU_AB_ROWS     decode rows (default "1,16,64,256"); GPU_AB_PREFILL prompt rows (default 2048)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
 LOGS=$DATA/logs
 mkdir -p "$LOGS"
 . scripts/gpu-env.sh
-settings=${GPU_AB:-default QUIVER_CUDA_LORA_AHEAD=0 QUIVER_CUDA_LORA_ROW1=beside QUIVER_CUDA_LORA_GEMM_FIRST=0 QUIVER_CUDA_LORA_EPILOGUE=1 QUIVER_CUDA_LORA_EPILOGUE=2 default}
+settings=${GPU_AB:-default QUIVER_CUDA_LORA_AHEAD=0 QUIVER_CUDA_LORA_ROW1=beside QUIVER_CUDA_LORA_GEMM_FIRST=0 QUIVER_CUDA_LORA_EPILOGUE=0 QUIVER_CUDA_LORA_EPILOGUE=2 default}
 [ -f "$DATA/models/llama8b/config.json" ] || python3 scripts/gpu_models.py models "$DATA" .gpu/tok llama8b > "$LOGS/ab-models.log" 2>&1
 for s in $settings; do
     env=(); [ "$s" = default ] || env=("$s")

@@ -78,15 +78,19 @@ impl CudaDevice {
         // points slower with it on the H200 than the GEMV computing its own shrink); `1` / `2`
         // from one / two rows, `0` never.
         // With the expand in the epilogue (lora_epilogue.rs) the norm's shrink is what feeds
-        // it, so then the default is from two rows.
+        // it, so then the default is from two rows. The epilogue is on by default (`1`): session
+        // 24's H100 A/B had it level with the side-stream delta at one adapter and 5 points of
+        // step time cheaper with 16 adapters at 64 rows, served +2 points at c64; `2` (o/down
+        // deferred into the next norm) measured dearer in sessions 23 and 24, `0` is the delta
+        // beside the GEMM for every site.
         let lora_epilogue = match std::env::var("QUIVER_CUDA_LORA_EPILOGUE").as_deref() {
             _ if maj < 9 => 0,
-            Ok("1") => 1,
+            Ok("0") => 0,
+            Ok("1") | Err(_) => 1,
             Ok("2") => 2,
-            Ok("0") | Err(_) => 0,
             Ok(v) => {
-                tracing::warn!("QUIVER_CUDA_LORA_EPILOGUE={v:?} is not 0, 1 or 2: 0 (the default)");
-                0
+                tracing::warn!("QUIVER_CUDA_LORA_EPILOGUE={v:?} is not 0, 1 or 2: 1 (the default)");
+                1
             }
         };
         let ahead_default = if lora_epilogue > 0 { 2 } else { lora_rows_max.max(1) + 1 };

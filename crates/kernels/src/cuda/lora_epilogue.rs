@@ -9,7 +9,8 @@
 //! With the shrink in the norm and the expand in the RoPE / SiLU·mul that follows the GEMM
 //! anyway, qkv's and gate_up's deltas cost no launch at all: only their bytes (the slot's Bᵀ
 //! per row, from L2 when rows share an adapter) inside kernels that were already per row.
-//! `QUIVER_CUDA_LORA_EPILOGUE=1` turns it on (with the norm's shrink from two rows); o_proj and
+//! It is the default on sm_90 (the norm's shrink from two rows; `QUIVER_CUDA_LORA_EPILOGUE=0`
+//! puts every site's delta beside its GEMM again, `lora_rows.rs` / `lora.rs`); o_proj and
 //! down_proj keep their delta beside the GEMM (`lora_rows.rs`).
 //!
 //! With `QUIVER_CUDA_LORA_EPILOGUE=2` o_proj's and down_proj's deltas launch nothing either. Their

@@ -162,8 +162,9 @@ pub struct CudaDevice {
     /// instead of a shrink and an expand (`QUIVER_CUDA_LORA_ROWS_MAX`: 64 by default, at most
     /// 128; `QUIVER_CUDA_LORA_ROWS=0` or 0: never; sm_90).
     lora_rows_max: usize,
-    /// `QUIVER_CUDA_LORA_EPILOGUE`: 1, qkv's and gate_up's expand in their RoPE / SiLU·mul;
-    /// 2, also o_proj's and down_proj's delta in the next norm (`lora_epilogue.rs`); 0, neither.
+    /// `QUIVER_CUDA_LORA_EPILOGUE`: 1 (the default on sm_90), qkv's and gate_up's expand in
+    /// their RoPE / SiLU·mul; 2, also o_proj's and down_proj's delta in the next norm
+    /// (`lora_epilogue.rs`); 0, neither.
     lora_epilogue: u8,
     /// Long prompts' LoRA GEMMs write the delta before the base GEMM accumulates onto it
     /// (`QUIVER_CUDA_LORA_GEMM_FIRST=0`: after, accumulating): see `lora_gemm.rs`.

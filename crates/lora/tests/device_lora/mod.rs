@@ -577,7 +577,8 @@ pub fn norms_before_projections_match_cpu(dev: Arc<dyn Device>) {
                         Some("0") => 0,
                         _ => var("QUIVER_CUDA_LORA_ROWS_MAX").and_then(|v| v.parse::<usize>().ok()).unwrap_or(64).min(128),
                     };
-                    let epilogue = matches!(var("QUIVER_CUDA_LORA_EPILOGUE").as_deref(), Some("1" | "2"));
+                    // The epilogue expand (default on, `0` off) takes the norm's shrink from 2 rows.
+                    let epilogue = var("QUIVER_CUDA_LORA_EPILOGUE").as_deref() != Some("0");
                     let min = match var("QUIVER_CUDA_LORA_AHEAD").as_deref() {
                         Some("1") => 1,
                         Some("2") => 2,
