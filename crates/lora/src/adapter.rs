@@ -54,16 +54,17 @@ pub struct LoraAdapter {
     pub embed_tokens: Option<ModuleWeights>,
     pub lm_head: Option<ModuleWeights>,
     pub stamp: Option<FileStamp>,
-    /// The pool's image of this adapter on the model's device, made at its first activation.
+    /// The pools' images of this adapter (one per rank's layout), made at its first activation.
     pub(crate) image: DeviceImage,
 }
 
-/// An adapter's [`quiver_kernels::LoraImage`] (the pool's contents for it as the device holds
+/// An adapter's [`quiver_kernels::LoraImage`]s (a pool's contents for it as the device holds
 /// them, in host memory the device copies from directly), made by the pool the first time the
-/// adapter is activated so the next activations are copies only. Clones of the adapter share
-/// it; it goes when the adapter's host copy goes (host-cache eviction, replacement).
+/// adapter is activated so the next activations are copies only: one per pool layout, so each
+/// rank of a tensor-parallel group keeps the image of its own cut. Clones of the adapter share
+/// them; they go when the adapter's host copy goes (host-cache eviction, replacement).
 #[derive(Clone, Default)]
-pub struct DeviceImage(pub(crate) std::sync::Arc<std::sync::Mutex<Option<quiver_kernels::LoraImage>>>);
+pub struct DeviceImage(pub(crate) std::sync::Arc<std::sync::Mutex<Vec<quiver_kernels::LoraImage>>>);
 
 impl std::fmt::Debug for DeviceImage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -237,6 +238,12 @@ pub(crate) struct Planned {
 }
 
 impl LoraAdapter {
+    /// The pool layouts this adapter holds a device image for, oldest first (one per rank of a
+    /// tensor-parallel group once each has activated it; none on a device without images).
+    pub fn image_layouts(&self) -> Vec<u64> {
+        self.image.0.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|i| i.layout).collect()
+    }
+
     /// Loads and validates the PEFT adapter in directory `dir` for a model of `dims`, with the
     /// default limits (no sandbox, no rank bound).
     pub fn load(name: &str, dir: &Path, dims: &LoraModelDims) -> Result<Self> {

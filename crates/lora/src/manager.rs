@@ -146,10 +146,19 @@ impl LoraManager {
         self.backend.name()
     }
 
-    /// What makes adapter images for this manager's pool, for the thread that reads adapters:
-    /// an adapter whose image it made installs without converting anything.
+    /// What makes adapter images for this manager's pools (every rank's under tensor
+    /// parallelism), for the thread that reads adapters: an adapter whose images it made
+    /// installs without converting anything.
     pub fn image_maker(&self) -> crate::LoraImageMaker {
-        self.pool.image_maker()
+        self.pool.image_maker().join(self.rank_pools.iter().map(LoraMemoryPool::image_maker))
+    }
+
+    /// Makes `adapter`'s images for every rank's pool now (off the path of any step).
+    fn prepare_images(&self, adapter: &LoraAdapter) {
+        self.pool.prepare_image(adapter);
+        for p in &self.rank_pools {
+            p.prepare_image(adapter);
+        }
     }
 
     /// Loads the PEFT adapter at `path` under a new name. Refuses a name already loaded.
@@ -177,7 +186,7 @@ impl LoraManager {
             self.check_can_pin()?;
         }
         adapter.check_compatible(self.pool.max_rank(), self.pool.modules())?;
-        self.pool.prepare_image(&adapter);
+        self.prepare_images(&adapter);
         let path = adapter.path.clone();
         let (key, _) = self.registry.insert(name, &path, adapter, false);
         if pinned {
@@ -203,7 +212,7 @@ impl LoraManager {
         let old = self.registry.resolve(name).ok_or_else(|| LoraError::UnknownAdapter(name.to_string()))?;
         let was_pinned = self.registry.versions.get(&old.version).is_some_and(|e| e.pinned);
         adapter.check_compatible(self.pool.max_rank(), self.pool.modules())?;
-        self.pool.prepare_image(&adapter);
+        self.prepare_images(&adapter);
         let path = adapter.path.clone();
         let (key, _) = self.registry.insert(name, &path, adapter, false);
         if let Some(s) = self.pool.slot_of(old) {
@@ -240,7 +249,7 @@ impl LoraManager {
     /// the file is not the one this version was loaded from. A no-op for a version that is
     /// gone or already in memory.
     pub fn restore_weights(&mut self, key: AdapterKey, adapter: LoraAdapter) -> Result<()> {
-        self.pool.prepare_image(&adapter);
+        self.prepare_images(&adapter);
         self.registry.restore(key, adapter)
     }
 

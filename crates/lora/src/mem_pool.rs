@@ -205,7 +205,7 @@ impl LoraMemoryPool {
         device.lora_sync_table(&mut table);
         let mut expert_table = device.lora_alloc_table(2 * dims.num_layers, (num_slots * e).max(1));
         device.lora_sync_table(&mut expert_table);
-        let images = LoraImageMaker { device: device.clone(), sites: Arc::new(Vec::new()), elems: 0, layout: 0 };
+        let images = LoraImageMaker { device: device.clone(), sites: Arc::new(Vec::new()), elems: 0, layout: 0, also: Arc::new(Vec::new()) };
         let mut pool = LoraMemoryPool {
             dims,
             images,
@@ -368,8 +368,8 @@ impl LoraMemoryPool {
         let device = self.device.clone();
         self.images.prepare(adapter);
         let cell = adapter.image.clone();
-        let image = cell.0.lock().unwrap_or_else(|p| p.into_inner());
-        match image.as_ref().filter(|i| i.layout == self.images.layout && i.filled) {
+        let images = cell.0.lock().unwrap_or_else(|p| p.into_inner());
+        match images.iter().find(|i| i.layout == self.images.layout && i.filled) {
             Some(img) => {
                 let mut at = 0;
                 self.for_each_site(slot, &mut |site, table, entry, s, source| {
@@ -454,7 +454,7 @@ impl LoraMemoryPool {
             (sh.in_dim, sh.n_slices, sh.offsets, sh.b_ld, sh.max_rank, s.modules, s.cut, s.source).hash(&mut h);
             elems += sh.a_slot_len() + sh.b_slot_len();
         }
-        LoraImageMaker { device: self.device.clone(), sites: Arc::new(sites), elems, layout: h.finish().max(1) }
+        LoraImageMaker { device: self.device.clone(), sites: Arc::new(sites), elems, layout: h.finish().max(1), also: Arc::new(Vec::new()) }
     }
 }
 
@@ -496,30 +496,47 @@ pub struct LoraImageMaker {
     elems: usize,
     /// Hash of the device and the site list: an image is reused only by a pool of the same.
     layout: u64,
+    /// Makers of other pools whose images [`Self::prepare`] makes too ([`Self::join`]).
+    also: Arc<Vec<LoraImageMaker>>,
 }
 
 impl LoraImageMaker {
-    /// Makes `adapter`'s image unless it has one for this layout, on a device that makes images
-    /// (a no-op elsewhere).
+    /// Makes `adapter`'s image for this layout unless it has one, on a device that makes images
+    /// (a no-op elsewhere), and for the layouts of the makers [`Self::join`]ed to it. Images of
+    /// other layouts stay: a tensor-parallel group's ranks each keep their own.
     pub fn prepare(&self, adapter: &LoraAdapter) {
+        for maker in std::iter::once(self).chain(self.also.iter()) {
+            maker.prepare_own(adapter);
+        }
+    }
+
+    fn prepare_own(&self, adapter: &LoraAdapter) {
         let cell = adapter.image.clone();
-        let mut image = cell.0.lock().unwrap_or_else(|p| p.into_inner());
-        if image.as_ref().is_some_and(|i| i.layout == self.layout && i.filled) {
+        let mut images = cell.0.lock().unwrap_or_else(|p| p.into_inner());
+        if images.iter().any(|i| i.layout == self.layout && i.filled) {
             return;
         }
-        *image = self.device.lora_image(self.elems).map(|mut i| {
-            i.layout = self.layout;
-            i
-        });
-        if let Some(img) = image.as_mut() {
-            let mut at = 0;
-            for s in self.sites.iter() {
-                let p = present(adapter, &s.modules, s.source);
-                self.device.lora_image_fill(img, at, s.shape, &mut |a, b| fill_slot(s.shape, &p, s.cut, a, b));
-                at += s.shape.a_slot_len() + s.shape.b_slot_len();
-            }
-            img.filled = true;
+        images.retain(|i| i.layout != self.layout);
+        let Some(mut img) = self.device.lora_image(self.elems) else { return };
+        img.layout = self.layout;
+        let mut at = 0;
+        for s in self.sites.iter() {
+            let p = present(adapter, &s.modules, s.source);
+            self.device.lora_image_fill(&mut img, at, s.shape, &mut |a, b| fill_slot(s.shape, &p, s.cut, a, b));
+            at += s.shape.a_slot_len() + s.shape.b_slot_len();
         }
+        img.filled = true;
+        images.push(img);
+    }
+
+    /// This maker and `others` as one: [`Self::prepare`] makes an adapter's image for each of
+    /// their layouts (the pools of a tensor-parallel group's ranks).
+    pub fn join(&self, others: impl IntoIterator<Item = LoraImageMaker>) -> LoraImageMaker {
+        let mut also: Vec<LoraImageMaker> = self.also.iter().cloned().collect();
+        for o in others {
+            also.push(LoraImageMaker { also: Arc::new(Vec::new()), ..o });
+        }
+        LoraImageMaker { also: Arc::new(also), ..self.clone() }
     }
 }
 

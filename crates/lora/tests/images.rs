@@ -86,3 +86,42 @@ fn pools_filled_through_images_equal_pools_filled_directly() {
     }
     assert!(contents(&direct, &dims).iter().any(|v| v.iter().any(|&x| x != 0.0)), "the pools hold nothing: the comparison would be empty");
 }
+
+/// A tensor-parallel group's pools (two ranks on one imaging device, as the CPU group shares
+/// its device): each rank's cut of an adapter has its own image, made once by the joined maker
+/// (what the engine's loader thread holds) and kept across the other rank's activations, and
+/// every rank's slots equal a pool of the same cut filled directly.
+#[test]
+fn every_tensor_parallel_rank_keeps_its_own_image() {
+    use quiver_lora::shard::TpShard;
+    let dims = LoraModelDims { num_layers: 2, hidden: 32, q_out: 32, kv_out: 16, intermediate: 48, vocab: 60, moe: None };
+    let mods = LoraModule::ALL.to_vec();
+    let shard = |r: usize| TpShard { rank: r, ranks: 2, q: r * 16..(r + 1) * 16, kv: r * 8..(r + 1) * 8, inter: r * 24..(r + 1) * 24, vocab: r * 30..(r + 1) * 30 };
+    let imager = imaging();
+    let pool = |dev: Arc<dyn Device>, r: usize| LoraMemoryPool::new_shard(dev, dims, &shard(r), 2, 8, &mods, EvictionPolicy::Lru).unwrap();
+    let mut direct: Vec<LoraMemoryPool> = (0..2).map(|r| pool(Arc::new(CpuDevice::new()), r)).collect();
+    let mut imaged: Vec<LoraMemoryPool> = (0..2).map(|r| pool(imager.clone(), r)).collect();
+    let a = LoraAdapter::synthetic("a", &dims, &mods, 8, 16.0, 0.3, 7).unwrap();
+    let b = LoraAdapter::synthetic("b", &dims, &mods[..3], 4, 4.0, 0.3, 8).unwrap();
+    imaged[0].image_maker().join([imaged[1].image_maker()]).prepare(&a);
+    let made = a.image_layouts();
+    assert_eq!(made.len(), 2, "one image per rank's layout: {made:?}");
+    assert_ne!(made[0], made[1]);
+    let key = |i: u32| AdapterKey { id: AdapterId(i), version: i as u64 };
+    // Ranks take turns, as the manager fills a slot on every rank in one call; the second
+    // adapter's images are made by the pools' own loads.
+    for (slot, ad, k) in [(0, &a, 1), (1, &b, 2), (0, &b, 3), (1, &a, 4)] {
+        for r in 0..2 {
+            for p in [&mut direct[r], &mut imaged[r]] {
+                if p.owner(slot).is_some() {
+                    p.free_slot(slot);
+                }
+                p.load(slot, key(k), ad).unwrap();
+            }
+            assert_eq!(contents(&direct[r], &dims), contents(&imaged[r], &dims), "rank {r} after loading {} into slot {slot}", ad.name);
+        }
+    }
+    assert_eq!(a.image_layouts(), made, "an activation on one rank rebuilt another rank's image");
+    assert_eq!(b.image_layouts().len(), 2);
+    assert!(contents(&direct[1], &dims).iter().any(|v| v.iter().any(|&x| x != 0.0)), "the pools hold nothing: the comparison would be empty");
+}
