@@ -27,8 +27,9 @@ pub(super) const GEMV_LORA_MAX_RANK: usize = 64;
 
 /// Blocks per SM per round of the single-row GEMV with LoRA (see `gemv1_lora_grid`): what fits
 /// at once (88 registers and 32 KiB of shared memory a block). Capping its registers so that six
-/// fit, as for the plain GEMV, measured no faster on the H200 (session 14).
-const GEMV_LORA_BLOCKS_PER_SM: usize = 5;
+/// fit, as for the plain GEMV, measured no faster on the H200 (session 14). The default of
+/// `QUIVER_CUDA_GEMV_LORA_BLOCKS`, which may ask for fewer.
+pub(super) const GEMV_LORA_BLOCKS_PER_SM: usize = 5;
 
 /// What a single-row GEMV does with its output (`GV_PLAIN`, `GV_SILU`, `GV_ROPE` in gemv.cu).
 pub(super) enum Gemv1Epilogue<'a> {
@@ -56,13 +57,13 @@ impl CudaDevice {
     }
 
     /// The grid for `blocks` blocks' worth of output pairs of the single-row GEMV with LoRA:
-    /// whole rounds of at most GEMV_LORA_BLOCKS_PER_SM blocks per SM, every warp looping over
+    /// whole rounds of at most `gemv_lora_blocks_per_sm` blocks per SM, every warp looping over
     /// the same number of pairs (an uneven last round would cost a whole round). An 8B step's
     /// projections come out at 1 (o, down), 2 (qkv) and 6 (gate_up) pairs per warp: a block's
     /// LoRA work (its ticket, waiting for t, leaving) is shared by the pairs of its warps, and
     /// as many warps as the plain GEMV keep W in flight.
     fn gemv1_lora_grid(&self, blocks: usize) -> usize {
-        let rounds = blocks.div_ceil(GEMV_LORA_BLOCKS_PER_SM * self.sms).max(1);
+        let rounds = blocks.div_ceil(self.gemv_lora_blocks_per_sm * self.sms).max(1);
         blocks.div_ceil(rounds)
     }
 

@@ -62,6 +62,17 @@ impl CudaDevice {
         let graphs = (profiler.is_none() && std::env::var_os("QUIVER_CUDA_GRAPHS").is_none_or(|v| v != "0")).then(|| Mutex::new(Graphs::default()));
         let pdl = maj >= 9 && std::env::var_os("QUIVER_CUDA_PDL").is_none_or(|v| v != "0");
         let fuse_epilogues = std::env::var_os("QUIVER_CUDA_FUSE_EPILOGUES").is_none_or(|v| v != "0");
+        // Blocks per SM per round of the one-row GEMV with LoRA (gemm.rs): fewer leave room for
+        // the next kernel's blocks to start early (PDL), which session 24 found LoRA steps at
+        // one row do not get (PDL off slowed the base step 3.4% and the LoRA step not at all).
+        let gemv_lora_blocks_per_sm = match std::env::var("QUIVER_CUDA_GEMV_LORA_BLOCKS").map(|v| v.parse::<usize>()) {
+            Err(_) => gemm::GEMV_LORA_BLOCKS_PER_SM,
+            Ok(Ok(n)) if (1..=gemm::GEMV_LORA_BLOCKS_PER_SM).contains(&n) => n,
+            Ok(_) => {
+                tracing::warn!("QUIVER_CUDA_GEMV_LORA_BLOCKS is not 1 to {}: {} (the default)", gemm::GEMV_LORA_BLOCKS_PER_SM, gemm::GEMV_LORA_BLOCKS_PER_SM);
+                gemm::GEMV_LORA_BLOCKS_PER_SM
+            }
+        };
         let profiler_on = profiler.is_some();
         // The whole delta of a decode step's site in one launch beside its GEMM (lora_rows.rs)
         // in steps of up to this many rows (0: never; `QUIVER_CUDA_LORA_ROWS=0` too).
@@ -155,6 +166,7 @@ impl CudaDevice {
             pdl,
             touches: Default::default(),
             fuse_epilogues,
+            gemv_lora_blocks_per_sm,
             lora_geom: Mutex::new(lora::LoraGeometry::default()),
             recording: Default::default(),
             draws: Mutex::new(Default::default()),

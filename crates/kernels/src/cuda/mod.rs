@@ -162,6 +162,9 @@ pub struct CudaDevice {
     /// instead of a shrink and an expand (`QUIVER_CUDA_LORA_ROWS_MAX`: 64 by default, at most
     /// 128; `QUIVER_CUDA_LORA_ROWS=0` or 0: never; sm_90).
     lora_rows_max: usize,
+    /// Blocks per SM per round of the one-row GEMV with LoRA (`QUIVER_CUDA_GEMV_LORA_BLOCKS`,
+    /// 1 to 5; 5, what fits, by default).
+    gemv_lora_blocks_per_sm: usize,
     /// `QUIVER_CUDA_LORA_EPILOGUE`: 1 (the default on sm_90), qkv's and gate_up's expand in
     /// their RoPE / SiLU·mul; 2, also o_proj's and down_proj's delta in the next norm
     /// (`lora_epilogue.rs`); 0, neither.
