@@ -19,6 +19,12 @@
 //! …)`): a programmatic launch (PDL) waits for its predecessor kernel, not for event waits
 //! between them. Steps of a group run eagerly (no CUDA graphs: a graph cannot
 //! hold the host barrier).
+//!
+//! `QUIVER_CUDA_TP_FLAGS=1` (opt-in, the first step towards graphs for a group): the kernels
+//! order themselves on the device instead (`*_flags` in collective.cu: each block meets the same
+//! block of every rank through flags in peer memory, before and after touching the buffers), so
+//! the stream carries no event waits; the host still exchanges the buffers' addresses with two
+//! spin barriers per call, which a recorded step would do once, at recording.
 
 use super::*;
 use crate::comm::Collective;
@@ -32,6 +38,11 @@ pub(super) const MAX_RANKS: usize = 8;
 const SHARE_ENV: &str = "QUIVER_CUDA_TP_SHARE_GPUS";
 /// Makes every collective wait on the host (see `Shared::host_sync`).
 const SYNC_ENV: &str = "QUIVER_CUDA_TP_SYNC";
+/// Orders the collectives on the device (see the module docs and `RankFlags`).
+const FLAGS_ENV: &str = "QUIVER_CUDA_TP_FLAGS";
+/// Blocks of a device-ordered collective kernel (`TP_FLAG_BLOCKS`): every call launches all of
+/// them, so block b of each rank takes part in each call.
+const FLAG_BLOCKS: usize = 32;
 
 /// The devices and collectives of `ranks` ranks, rank r on GPU `(first + r) % GPUs`.
 pub(super) fn group(first: usize, ranks: usize) -> Result<Vec<(Arc<dyn Device>, Arc<dyn Collective>)>> {
@@ -67,6 +78,10 @@ pub(super) fn group(first: usize, ranks: usize) -> Result<Vec<(Arc<dyn Device>, 
         lens: std::array::from_fn(|_| AtomicUsize::new(0)),
         events: devices.iter().map(RankEvents::new).collect::<Result<_>>()?,
         host_sync: std::env::var_os(SYNC_ENV).is_some_and(|v| v != "0"),
+        flags: match std::env::var_os(FLAGS_ENV).is_some_and(|v| v != "0") {
+            true => Some(devices.iter().map(RankFlags::new).collect::<Result<_>>()?),
+            false => None,
+        },
     });
     Ok(devices
         .into_iter()
@@ -131,6 +146,19 @@ impl Drop for RankEvents {
     }
 }
 
+/// A rank's signal buffer (`[FLAG_BLOCKS][2 phases][MAX_RANKS]` u32 flags the other ranks
+/// raise) and its blocks' epochs, for the device-ordered collectives.
+struct RankFlags {
+    sig: DevBuf,
+    epoch: DevBuf,
+}
+
+impl RankFlags {
+    fn new(dev: &Arc<CudaDevice>) -> Result<RankFlags> {
+        Ok(RankFlags { sig: DevBuf::zeroed(&dev.ctx, FLAG_BLOCKS * 2 * MAX_RANKS * 4)?, epoch: DevBuf::zeroed(&dev.ctx, FLAG_BLOCKS * 4)? })
+    }
+}
+
 struct Shared {
     ranks: usize,
     /// Spin barrier: ranks arrived in this generation, and the generation.
@@ -145,6 +173,8 @@ struct Shared {
     /// Diagnosis (`QUIVER_CUDA_TP_SYNC=1`): each rank's host waits for its stream before and
     /// after every collective, so the events order nothing the host has not already.
     host_sync: bool,
+    /// The device-ordered collectives' buffers, rank by rank (`QUIVER_CUDA_TP_FLAGS=1`).
+    flags: Option<Vec<RankFlags>>,
 }
 
 // SAFETY: the raw event handles are only recorded and waited on, which the driver allows from
@@ -201,19 +231,33 @@ impl Shared {
         }
         self.ptrs[rank].store(ptr, Ordering::Relaxed);
         self.lens[rank].store(len, Ordering::Relaxed);
-        self.record(rank, dev, |e| e.ready);
+        if self.flags.is_none() {
+            self.record(rank, dev, |e| e.ready);
+        }
         self.barrier();
         if let Some(r) = (0..self.ranks).find(|&r| self.lens[r].load(Ordering::Relaxed) != len) {
             let theirs = self.lens[r].load(Ordering::Relaxed);
             self.aborted.store(true, Ordering::Relaxed);
             panic!("{what} of {len} elements on rank {rank} but {theirs} on rank {r}");
         }
-        self.wait_others(rank, dev, |e| e.ready);
+        if self.flags.is_none() {
+            self.wait_others(rank, dev, |e| e.ready);
+        }
         std::array::from_fn(|r| if r < self.ranks { self.ptrs[r].load(Ordering::Relaxed) } else { 0 })
     }
 
-    /// Ends a call: once every rank's kernel is queued, each stream waits for all of them.
+    /// Ends a call: once every rank's kernel is queued, each stream waits for all of them
+    /// (with device-ordered kernels only the host barrier, so no rank publishes its next
+    /// buffer before every rank has read this one's).
     fn finish(&self, rank: usize, dev: &CudaDevice) {
+        if self.flags.is_some() {
+            self.barrier();
+            if self.host_sync {
+                dev.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+                self.barrier();
+            }
+            return;
+        }
         self.record(rank, dev, |e| e.done);
         self.barrier();
         self.wait_others(rank, dev, |e| e.done);
@@ -225,6 +269,11 @@ impl Shared {
             self.barrier();
         }
     }
+}
+
+/// Every rank's signal buffer address (kernel arguments, 0 past the last rank).
+fn flag_sigs(f: &[RankFlags]) -> [u64; MAX_RANKS] {
+    std::array::from_fn(|r| f.get(r).map_or(0, |x| x.sig.ptr))
 }
 
 struct PeerCollective {
@@ -256,7 +305,14 @@ impl Collective for PeerCollective {
         // This rank's share of the elements, 4-aligned (the kernel moves float4s).
         let chunk = len.div_ceil(n).next_multiple_of(4);
         let (lo, hi) = ((self.rank * chunk).min(len), ((self.rank + 1) * chunk).min(len));
-        if lo < hi {
+        if let Some(f) = &s.flags {
+            // Every rank launches all its blocks, even with no share of its own: they meet.
+            let g = flag_sigs(f);
+            launch!(d, d.k.tp_all_reduce_flags, (FLAG_BLOCKS as u32, 1, 1), (256, 1, 1);
+                p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7],
+                f[self.rank].epoch.ptr, self.rank as i32, n as i32, lo as i32, hi as i32);
+            d.mark("all-reduce");
+        } else if lo < hi {
             launch!(after_wait d, d.k.tp_all_reduce, (grid1((hi - lo).div_ceil(4), 256).0.min(BLOCKS as u32), 1, 1), (256, 1, 1);
                 p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], n as i32, lo as i32, hi as i32);
             d.mark("all-reduce");
@@ -268,7 +324,13 @@ impl Collective for PeerCollective {
         let (s, d, n) = (&*self.shared, &*self.dev, self.shared.ranks);
         d.bind();
         let p = s.exchange(self.rank, d, buf(local), rows * cols, "all-gather");
-        if rows * cols > 0 {
+        if let Some(f) = &s.flags {
+            let g = flag_sigs(f);
+            launch!(d, d.k.tp_all_gather_cols_flags, (FLAG_BLOCKS as u32, 1, 1), (256, 1, 1);
+                p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7],
+                f[self.rank].epoch.ptr, self.rank as i32, n as i32, rows as i32, cols as i32, buf(out));
+            d.mark("all-gather");
+        } else if rows * cols > 0 {
             launch!(after_wait d, d.k.tp_all_gather_cols, (grid1(rows * cols * n, 256).0.min(4 * BLOCKS as u32), 1, 1), (256, 1, 1);
                 p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], n as i32, rows as i32, cols as i32, buf(out));
             d.mark("all-gather");

@@ -64,6 +64,8 @@ pub(super) struct Kernels {
     pub(super) tp_all_reduce: sys::CUfunction,
     pub(super) tp_all_gather_cols: sys::CUfunction,
     pub(super) tp_fence: sys::CUfunction,
+    pub(super) tp_all_reduce_flags: sys::CUfunction,
+    pub(super) tp_all_gather_cols_flags: sys::CUfunction,
 }
 
 impl Kernels {
@@ -113,6 +115,8 @@ impl Kernels {
             tp_all_reduce: f("tp_all_reduce")?,
             tp_all_gather_cols: f("tp_all_gather_cols")?,
             tp_fence: f("tp_fence")?,
+            tp_all_reduce_flags: f("tp_all_reduce_flags")?,
+            tp_all_gather_cols_flags: f("tp_all_gather_cols_flags")?,
         };
         for (i, &pf) in k.prefill_attention.iter().enumerate() {
             let bytes = prefill_smem_bytes(32 * (i + 1)) as i32;
