@@ -6,9 +6,10 @@
 // (u64 is sample.cu's, which comes before this file in the module.)
 #define TP_PTRS u64 p0, u64 p1, u64 p2, u64 p3, u64 p4, u64 p5, u64 p6, u64 p7
 
-// These kernels are launched without programmatic serialization (collective.rs): what they wait
-// for is other ranks' events, which a programmatic launch need not honour, so they have no
-// pdl_entry() and start only once everything before them on the stream has finished.
+// These kernels (all but the `*_flags` ones at the end) are launched without programmatic
+// serialization (collective.rs): what they wait for is other ranks' events, which a
+// programmatic launch need not honour, so they have no pdl_entry() and start only once
+// everything before them on the stream has finished.
 
 // This rank's share `lo..hi` of an all-reduce: every element becomes ((y_0 + y_1) + y_2) + …
 // in rank order, written back into every rank's buffer, so the N ranks' kernels together are a
@@ -96,7 +97,9 @@ __device__ __forceinline__ void tp_meet(u32* const* sig, u32 e, int me, int n, i
         const int at = (blockIdx.x * 2 + phase) * 8;
         tp_st_release(sig[threadIdx.x] + at + me, e);
         const long long t0 = clock64();
-        while (tp_ld_acquire(sig[me] + at + threadIdx.x) < e) {
+        // Signed distance: epochs wrap after 2^32 calls (days of serving), flags stay within
+        // one call of each other.
+        while ((int)(tp_ld_acquire(sig[me] + at + threadIdx.x) - e) < 0) {
             if (clock64() - t0 > (1ll << 36)) __trap();
         }
         __threadfence_system();
