@@ -24,7 +24,10 @@
 //! order themselves on the device instead (`*_flags` in collective.cu: each block meets the same
 //! block of every rank through flags in peer memory, before and after touching the buffers), so
 //! the stream carries no event waits; the host still exchanges the buffers' addresses with two
-//! spin barriers per call, which a recorded step would do once, at recording.
+//! spin barriers per call, which a recorded step does once, at recording. With
+//! `QUIVER_CUDA_TP_GRAPHS=1` too the group's decode steps are recorded and replayed like a single
+//! device's, the ranks agreeing on each step's mode (`GroupAgree`, graphs.rs). Both opt-in and
+//! not yet run on a GPU (session 24).
 
 use super::*;
 use crate::comm::Collective;
@@ -40,6 +43,8 @@ const SHARE_ENV: &str = "QUIVER_CUDA_TP_SHARE_GPUS";
 const SYNC_ENV: &str = "QUIVER_CUDA_TP_SYNC";
 /// Orders the collectives on the device (see the module docs and `RankFlags`).
 const FLAGS_ENV: &str = "QUIVER_CUDA_TP_FLAGS";
+/// Records a group's decode steps as CUDA graphs (with `FLAGS_ENV`; see `GroupAgree`).
+const GRAPHS_ENV: &str = "QUIVER_CUDA_TP_GRAPHS";
 /// Blocks of a device-ordered collective kernel (`TP_FLAG_BLOCKS`): every call launches all of
 /// them, so block b of each rank takes part in each call.
 const FLAG_BLOCKS: usize = 32;
@@ -59,10 +64,17 @@ pub(super) fn group(first: usize, ranks: usize) -> Result<Vec<(Arc<dyn Device>, 
     if ranks > gpus {
         tracing::warn!("{ranks} tensor-parallel ranks share {gpus} GPU(s) ({SHARE_ENV}): a correctness mode, slower than one rank");
     }
+    let flags = std::env::var_os(FLAGS_ENV).is_some_and(|v| v != "0");
+    let graphs = flags && std::env::var_os(GRAPHS_ENV).is_some_and(|v| v != "0");
+    if std::env::var_os(GRAPHS_ENV).is_some_and(|v| v != "0") && !flags {
+        tracing::warn!("{GRAPHS_ENV}=1 needs {FLAGS_ENV}=1 (a graph cannot hold the host-ordered collectives): the group's steps run eagerly");
+    }
     let mut devices: Vec<Arc<CudaDevice>> = Vec::with_capacity(ranks);
     for (r, &ord) in ordinals.iter().enumerate() {
         let mut d = CudaDevice::new(ord).with_context(|| format!("tensor-parallel rank {r} on cuda:{ord}"))?;
-        d.graphs = None;
+        if !graphs {
+            d.graphs = None;
+        }
         d.gpu_share = ordinals.iter().filter(|&&o| o == ord).count();
         d.draw_source = devices.first().cloned();
         d.name = format!("{} rank {r}", d.name);
@@ -78,11 +90,17 @@ pub(super) fn group(first: usize, ranks: usize) -> Result<Vec<(Arc<dyn Device>, 
         lens: std::array::from_fn(|_| AtomicUsize::new(0)),
         events: devices.iter().map(RankEvents::new).collect::<Result<_>>()?,
         host_sync: std::env::var_os(SYNC_ENV).is_some_and(|v| v != "0"),
-        flags: match std::env::var_os(FLAGS_ENV).is_some_and(|v| v != "0") {
+        flags: match flags {
             true => Some(devices.iter().map(RankFlags::new).collect::<Result<_>>()?),
             false => None,
         },
+        votes: std::array::from_fn(|_| AtomicU64::new(0)),
     });
+    if graphs {
+        for (rank, d) in devices.iter().enumerate() {
+            let _ = d.tp_agree.set(GroupAgree { rank, shared: shared.clone() });
+        }
+    }
     Ok(devices
         .into_iter()
         .enumerate()
@@ -175,6 +193,31 @@ struct Shared {
     host_sync: bool,
     /// The device-ordered collectives' buffers, rank by rank (`QUIVER_CUDA_TP_FLAGS=1`).
     flags: Option<Vec<RankFlags>>,
+    /// Each rank's vote in `GroupAgree::agree`.
+    votes: [AtomicU64; MAX_RANKS],
+}
+
+/// How the ranks of a group whose steps are recorded agree on each step's mode. Recording a
+/// step runs its host code (the collectives' address exchanges) without running its kernels,
+/// and replaying it runs kernels without host code, so every rank must record, replay or run
+/// eagerly together: a rank alone in a mode would leave the others' collectives waiting on host
+/// barriers or on device flags no kernel raises (`graphs.rs`).
+pub(super) struct GroupAgree {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl GroupAgree {
+    /// True on every rank when every rank passed the same `vote`, false on every rank otherwise.
+    pub(super) fn agree(&self, vote: u64) -> bool {
+        let s = &*self.shared;
+        s.votes[self.rank].store(vote, Ordering::Relaxed);
+        s.barrier();
+        let same = (0..s.ranks).all(|r| s.votes[r].load(Ordering::Relaxed) == vote);
+        // No rank votes again before every rank has read this round's votes.
+        s.barrier();
+        same
+    }
 }
 
 // SAFETY: the raw event handles are only recorded and waited on, which the driver allows from

@@ -24,6 +24,25 @@ impl Graphs {
     }
 }
 
+/// What a step does with its shape's recording.
+#[derive(Clone, Copy)]
+enum Plan {
+    Eager,
+    Replay(sys::CUgraphExec),
+    Record,
+}
+
+impl Plan {
+    /// The plan's kind, for the ranks of a group to compare.
+    fn code(self) -> u64 {
+        match self {
+            Plan::Eager => 1,
+            Plan::Replay(_) => 2,
+            Plan::Record => 3,
+        }
+    }
+}
+
 /// Most shapes kept (a decode batch shape per running-sequence count, plus a few logits layouts);
 /// past that, new shapes run eagerly.
 const MAX_GRAPHS: usize = 320;
@@ -59,31 +78,64 @@ impl CudaDevice {
             decode
         }; // the ops in `body` take the state lock themselves
         let mut g = graphs.lock().unwrap();
-        if !decode || g.failed.contains(&key) {
-            g.eager += 1;
-            drop(g);
-            return body();
-        }
+        // In a tensor-parallel group every decision below is the group's (collective.rs
+        // `GroupAgree`): all ranks record, replay or run eagerly together. Outside one, `agreed`
+        // is each rank's own view.
+        let agree = self.tp_agree.get();
+        let agreed = |ok: bool| agree.map_or(ok, |a| a.agree(ok as u64));
         let generation = ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst);
-        if g.generation != generation {
-            g.clear();
-            g.generation = generation;
+        let plan = if !decode || g.failed.contains(&key) {
+            Plan::Eager
+        } else {
+            if g.generation != generation {
+                g.clear();
+                g.generation = generation;
+            }
+            match g.execs.iter().find(|e| e.0 == key) {
+                Some(&(_, exec)) => Plan::Replay(exec),
+                None if g.execs.len() >= MAX_GRAPHS => Plan::Eager,
+                None => Plan::Record,
+            }
+        };
+        if let Some(a) = agree {
+            if !a.agree(plan.code()) {
+                // The ranks disagree (one lost its recordings to an allocation, or is full): this
+                // step runs eagerly on every rank, and no rank keeps this shape's recording, so
+                // the next step of the shape records it again on all of them.
+                if let Some(i) = g.execs.iter().position(|e| e.0 == key) {
+                    // SAFETY: instantiated by us, destroyed once.
+                    let _ = unsafe { result::graph::exec_destroy(g.execs.remove(i).1) };
+                }
+                g.eager += 1;
+                drop(g);
+                return body();
+            }
         }
-        if let Some(&(_, exec)) = g.execs.iter().find(|e| e.0 == key) {
-            // SAFETY: a live executable graph of this context; its buffers are unchanged
-            // (same allocation generation).
-            self.launch_graph(exec);
-            g.replays += 1;
-            return;
-        }
-        if g.execs.len() >= MAX_GRAPHS {
-            g.eager += 1;
-            return body();
+        match plan {
+            Plan::Eager => {
+                g.eager += 1;
+                drop(g);
+                return body();
+            }
+            Plan::Replay(exec) => {
+                // SAFETY: a live executable graph of this context; its buffers are unchanged
+                // (same allocation generation).
+                self.launch_graph(exec);
+                g.replays += 1;
+                return;
+            }
+            Plan::Record => {}
         }
         g.recordings += 1;
         // Record. A failure leaves the step unexecuted: run it eagerly, and this shape always.
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        if unsafe { result::stream::begin_capture(self.stream, mode) }.is_err() {
+        let began = unsafe { result::stream::begin_capture(self.stream, mode) }.is_ok();
+        if !agreed(began) {
+            if began {
+                if let Ok(graph) = unsafe { result::stream::end_capture(self.stream) } {
+                    let _ = unsafe { result::graph::destroy(graph) };
+                }
+            }
             g.failed.push(key);
             return body();
         }
@@ -95,16 +147,20 @@ impl CudaDevice {
             let _ = unsafe { result::graph::destroy(graph) };
             exec
         });
-        let exec = match exec {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::warn!("CUDA graph capture of a {rows}-row step failed on {} ({e:?}); that shape runs eagerly", self.name);
-                g.failed.push(key);
-                return body();
+        if let Err(e) = &exec {
+            tracing::warn!("CUDA graph capture of a {rows}-row step failed on {} ({e:?}); that shape runs eagerly", self.name);
+        }
+        if !agreed(exec.is_ok()) {
+            if let Ok(e) = exec {
+                // Another rank failed: nobody replays it.
+                let _ = unsafe { result::graph::exec_destroy(e) };
             }
-        };
+            g.failed.push(key);
+            return body();
+        }
+        let exec = exec.expect("agreed to be recorded");
         self.launch_graph(exec);
-        if ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst) != generation {
+        if !agreed(ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst) == generation) {
             // Something was allocated while recording (its address is baked in but may move):
             // use this recording once only.
             self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));

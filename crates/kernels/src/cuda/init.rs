@@ -183,6 +183,7 @@ impl CudaDevice {
             attn_decode,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),
             draw_source: None,
+            tp_agree: Default::default(),
             gpu_share: 1,
         })
     }

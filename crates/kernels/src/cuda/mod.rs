@@ -180,6 +180,9 @@ pub struct CudaDevice {
     /// Rank ≥ 1 of a tensor-parallel group: rank 0's device, whose draws this rank's steps
     /// read when their ids name them (`resolve_drawn`; `collective.rs`).
     draw_source: Option<Arc<CudaDevice>>,
+    /// A tensor-parallel group whose steps may be recorded (`QUIVER_CUDA_TP_GRAPHS=1`, with the
+    /// device-ordered collectives): how its ranks agree on each step's mode (`graphs.rs`).
+    tp_agree: std::sync::OnceLock<collective::GroupAgree>,
     /// Ranks of this device's group placed on its GPU (1 outside a group): the memory the
     /// device reports free is split between them.
     gpu_share: usize,
