@@ -65,7 +65,8 @@ pub(super) fn group(first: usize, ranks: usize) -> Result<Vec<(Arc<dyn Device>, 
         tracing::warn!("{ranks} tensor-parallel ranks share {gpus} GPU(s) ({SHARE_ENV}): a correctness mode, slower than one rank");
     }
     let flags = std::env::var_os(FLAGS_ENV).is_some_and(|v| v != "0");
-    let graphs = flags && std::env::var_os(GRAPHS_ENV).is_some_and(|v| v != "0");
+    // A capture cannot hold the host waits of QUIVER_CUDA_TP_SYNC either.
+    let graphs = flags && std::env::var_os(GRAPHS_ENV).is_some_and(|v| v != "0") && std::env::var_os(SYNC_ENV).is_none_or(|v| v == "0");
     if std::env::var_os(GRAPHS_ENV).is_some_and(|v| v != "0") && !flags {
         tracing::warn!("{GRAPHS_ENV}=1 needs {FLAGS_ENV}=1 (a graph cannot hold the host-ordered collectives): the group's steps run eagerly");
     }

@@ -82,7 +82,8 @@ impl CudaDevice {
         // `GroupAgree`): all ranks record, replay or run eagerly together. Outside one, `agreed`
         // is each rank's own view.
         let agree = self.tp_agree.get();
-        let agreed = |ok: bool| agree.map_or(ok, |a| a.agree(ok as u64));
+        // True on every rank when every rank's `ok` is (a unanimous false is a failure too).
+        let agreed = |ok: bool| agree.map_or(ok, |a| a.agree(ok as u64) && ok);
         let generation = ALLOC_GENERATION.load(std::sync::atomic::Ordering::SeqCst);
         let plan = if !decode || g.failed.contains(&key) {
             Plan::Eager

@@ -152,16 +152,13 @@ impl CudaDevice {
         assert!(last < d.n, "token id names draw {last} of a launch of {}", d.n);
         let b = d.bufs.as_ref().expect("sample buffers");
         if !std::ptr::eq(src, self) {
-            // While this rank records the step (a TP group's graphs, graphs.rs), the wait on an
-            // event no capture recorded must be an external event node, which a replay honours
-            // at its launch; a plain wait would invalidate the capture.
-            let flag = match self.recording.load(std::sync::atomic::Ordering::Relaxed) {
-                true => sys::CUevent_wait_flags::CU_EVENT_WAIT_EXTERNAL,
-                false => sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            };
+            // The model resolves drawn ids before its step runs (recorded or not), so this wait
+            // is never inside a capture (a TP group's graphs, graphs.rs).
+            debug_assert!(!self.recording.load(std::sync::atomic::Ordering::Relaxed), "resolve_drawn inside a recorded step");
             // SAFETY: an event of rank 0's context recorded after its draw kernel; a stream of
             // this context (a wait may name another context's event).
-            unsafe { result::stream::wait_event(self.stream, b.drawn, flag) }.unwrap_or_else(|e| panic!("{} waiting for rank 0's draws: {e:?}", self.name));
+            unsafe { result::stream::wait_event(self.stream, b.drawn, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .unwrap_or_else(|e| panic!("{} waiting for rank 0's draws: {e:?}", self.name));
         }
         let outs = b.outs.ptr;
         if std::ptr::eq(src, self) {
