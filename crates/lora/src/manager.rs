@@ -153,12 +153,10 @@ impl LoraManager {
         self.pool.image_maker().join(self.rank_pools.iter().map(LoraMemoryPool::image_maker))
     }
 
-    /// Makes `adapter`'s images for every rank's pool now (off the path of any step).
+    /// Makes `adapter`'s images for every rank's pool now (off the path of any step), as the
+    /// loader thread's maker does.
     fn prepare_images(&self, adapter: &LoraAdapter) {
-        self.pool.prepare_image(adapter);
-        for p in &self.rank_pools {
-            p.prepare_image(adapter);
-        }
+        self.image_maker().prepare(adapter);
     }
 
     /// Loads the PEFT adapter at `path` under a new name. Refuses a name already loaded.

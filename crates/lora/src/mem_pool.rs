@@ -395,13 +395,6 @@ impl LoraMemoryPool {
         Ok(())
     }
 
-    /// Makes `adapter`'s image for this pool now (on a device that makes them) unless the
-    /// loader thread did, so its first activation is copies too: the manager calls it when the
-    /// adapter's weights enter host memory, off the path of any step.
-    pub fn prepare_image(&self, adapter: &LoraAdapter) {
-        self.images.prepare(adapter);
-    }
-
     /// Calls `f(site, table, entry, slot index, source)` for every site of the pool, in one
     /// fixed order (the order of an adapter's image; [`LoraImageMaker`] records it): the dense
     /// sites and the shared expert's of each layer, each expert's slot of the expert sites, then
