@@ -34,6 +34,9 @@ def compile_ptx(lib, src):
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"quiver.cu", 0, None, None) != 0:
         sys.exit("nvrtc_gate: nvrtcCreateProgram failed")
     opts = [f"--gpu-architecture={ARCH}".encode(), b"--std=c++17"]
+    # The tuning constants an A/B sets on the device (module.rs `nvrtc_defines`), to see their
+    # registers and spills here first.
+    opts += [f"-D{w}".encode() for w in os.environ.get("QUIVER_CUDA_NVRTC_DEFINES", "").split()]
     rc = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(n))

@@ -22,6 +22,10 @@
 
 #define LAH_CL 8          // blocks per row (a portable cluster size)
 #define LAH_THREADS 256   // threads per block
+// Blocks per SM the registers are fitted to; an A/B may override it (QUIVER_CUDA_NVRTC_DEFINES).
+#ifndef LAH_MIN_BLOCKS
+#define LAH_MIN_BLOCKS 1
+#endif
 #define LAH_MAX_SLICE 1024 // inputs per block at most: dim ≤ 8192
 #define LAH_MAX_W 192     // n·R at most (3 slices of rank 64)
 #define LAH_RG 4          // A rows a warp loads at once
@@ -193,14 +197,14 @@ __device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, cons
 }
 
 #define RMS_NORM_SHRINK(CPL)                                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(LAH_THREADS) rms_norm_shrink_##CPL(                                                             \
+    extern "C" __global__ void __launch_bounds__(LAH_THREADS, LAH_MIN_BLOCKS) rms_norm_shrink_##CPL(                                                             \
         float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, \
         int dim, float eps, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, int n_slices, int R,  \
         float* __restrict__ t) {                                                                                                                \
         rms_norm_shrink_body<CPL, false>(x, delta, w, out, outb, dim, eps, A, G, C, ranks, n_slices, R, t, nullptr, 0, nullptr, nullptr, nullptr, \
                                          nullptr, 0, 0);                                                                                        \
     }                                                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(LAH_THREADS) rms_norm_lora2_##CPL(                                                             \
+    extern "C" __global__ void __launch_bounds__(LAH_THREADS, LAH_MIN_BLOCKS) rms_norm_lora2_##CPL(                                                             \
         float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, \
         int dim, float eps, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, int n_slices, int R,  \
         float* __restrict__ t, const float* __restrict__ xp, int in_p, const bf16_t* __restrict__ Ap, const bf16_t* __restrict__ Btp,           \

@@ -16,6 +16,14 @@
 // have neither); t is [C][n·R] by position as the norm wrote it.
 
 #define LEP_THREADS 128
+// Tuning constants an A/B may override without a rebuild (QUIVER_CUDA_NVRTC_DEFINES, module.rs):
+// blocks per SM the registers are fitted to (__launch_bounds__), and Bᵀ rank steps in flight.
+#ifndef LEP_MIN_BLOCKS
+#define LEP_MIN_BLOCKS 1
+#endif
+#ifndef LEP_KG
+#define LEP_KG 8
+#endif
 #define LEP_MAX_W 192 // n·r at most (3 slices of rank 64)
 #define LEP_NONE 0xffffffffu
 
@@ -35,12 +43,12 @@ __device__ __forceinline__ int lep_coef(const float* __restrict__ t, const u32* 
 __device__ __forceinline__ void lep_delta8(const bf16_t* __restrict__ b, int b_ld, int o0, const float* coef, int rk, float* d) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) d[e] = 0.f;
-    for (int k0 = 0; k0 < rk; k0 += 8) {
-        uint4 bq[8];
+    for (int k0 = 0; k0 < rk; k0 += LEP_KG) {
+        uint4 bq[LEP_KG];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) bq[i] = k0 + i < rk ? __ldg(reinterpret_cast<const uint4*>(b + (size_t)(k0 + i) * b_ld + o0)) : make_uint4(0, 0, 0, 0);
+        for (int i = 0; i < LEP_KG; ++i) bq[i] = k0 + i < rk ? __ldg(reinterpret_cast<const uint4*>(b + (size_t)(k0 + i) * b_ld + o0)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < LEP_KG; ++i) {
             if (k0 + i < rk) {
                 float bf[8];
                 bf16x8_to_f32(bq[i], bf);
@@ -67,7 +75,7 @@ __device__ __forceinline__ int lep_slice_at(int o, int off1, int off2, int rk) {
 
 // rope_qk (kernels.cu) with the delta: grid (units / LEP_THREADS, rows). half % 8 == 0, the v
 // part of the row a multiple of 8 wide, b_ld % 8 == 0 (the host checks).
-extern "C" __global__ void __launch_bounds__(LEP_THREADS) rope_qk_lora(float* __restrict__ qkv, const u32* __restrict__ positions, const float* __restrict__ cos_t,
+extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) rope_qk_lora(float* __restrict__ qkv, const u32* __restrict__ positions, const float* __restrict__ cos_t,
         const float* __restrict__ sin_t, int heads_qk, int head_dim, int half, int width, int max_pos, const float* __restrict__ t,
         const bf16_t* __restrict__ Bt, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, const float* __restrict__ scal,
         int n_slices, int R, int b_ld, int off1, int off2) {
@@ -120,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS) rope_qk_lora(float* __
 
 // silu_mul (kernels.cu) with the delta of gate and up: grid (inter / 8 / LEP_THREADS, rows),
 // inter % 8 == 0, b_ld % 8 == 0. outb (the down projection's bf16 input, or null) as silu_mul.
-extern "C" __global__ void __launch_bounds__(LEP_THREADS) silu_mul_lora(const float* __restrict__ gu, float* __restrict__ out, bf16_t* __restrict__ outb, int inter,
+extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_mul_lora(const float* __restrict__ gu, float* __restrict__ out, bf16_t* __restrict__ outb, int inter,
         const float* __restrict__ t, const bf16_t* __restrict__ Bt, const u32* __restrict__ G, int C, const u32* __restrict__ ranks,
         const float* __restrict__ scal, int n_slices, int R, int b_ld, int off1, int off2) {
     __shared__ float coef[LEP_MAX_W];

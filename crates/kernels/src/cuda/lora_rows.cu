@@ -19,6 +19,10 @@
 #define LRW_THREADS 256   // threads per block
 #define LRW_MAX_W 192     // n·r at most (3 slices of rank 64)
 #define LRW_NO_SLOT 0xffffffffu
+// Blocks per SM the registers are fitted to; an A/B may override it (QUIVER_CUDA_NVRTC_DEFINES).
+#ifndef LRW_MIN_BLOCKS
+#define LRW_MIN_BLOCKS 1
+#endif
 
 // LRW_CPL: 16-byte chunks (8 inputs) a lane holds of the block's input slice; the host picks the
 // smallest that covers in / LRW_CL / 8 / 32.
@@ -156,7 +160,7 @@ __device__ __forceinline__ void lora_rows_body(const float* __restrict__ x, cons
 }
 
 #define LRW_KERNEL(CPL)                                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(LRW_THREADS) lora_rows_##CPL(const float* __restrict__ x, const bf16_t* __restrict__ A,     \
+    extern "C" __global__ void __launch_bounds__(LRW_THREADS, LRW_MIN_BLOCKS) lora_rows_##CPL(const float* __restrict__ x, const bf16_t* __restrict__ A,     \
             const bf16_t* __restrict__ Bt, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, const float* __restrict__ scal, \
             int n_slices, int R, int in_dim, int b_ld, int off1, int off2, int out, int add, float* __restrict__ y) {                      \
         lora_rows_body<CPL>(x, A, Bt, G, C, ranks, scal, n_slices, R, in_dim, b_ld, off1, off2, out, add, y);                             \

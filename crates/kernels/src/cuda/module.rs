@@ -143,20 +143,42 @@ fn cache_dir() -> PathBuf {
     home.join(".cache").join("quiver").join("kernels")
 }
 
+/// Compile-time tuning constants set from `QUIVER_CUDA_NVRTC_DEFINES` (`NAME=VALUE` words, e.g.
+/// `LRW_MIN_BLOCKS=3 LEP_MIN_BLOCKS=8`): the kernels' `#ifndef` defaults are what ships, and an
+/// A/B of another value needs no rebuild, only this variable. Anything but `NAME=VALUE` with a
+/// name of capitals, digits and underscores and a number is refused, naming the word.
+fn nvrtc_defines() -> Result<Vec<String>> {
+    let Some(v) = std::env::var_os("QUIVER_CUDA_NVRTC_DEFINES") else { return Ok(Vec::new()) };
+    let v = v.to_string_lossy().into_owned();
+    v.split_whitespace()
+        .map(|w| {
+            let ok = w.split_once('=').is_some_and(|(n, x)| {
+                n.starts_with(|c: char| c.is_ascii_uppercase())
+                    && n.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+                    && x.parse::<f64>().is_ok()
+            });
+            if ok { Ok(format!("-D{w}")) } else { Err(anyhow::anyhow!("QUIVER_CUDA_NVRTC_DEFINES: {w:?} is not NAME=NUMBER")) }
+        })
+        .collect()
+}
+
 /// PTX for `arch`, from the disk cache or freshly compiled by NVRTC.
 pub(super) fn kernels_ptx(arch: &str) -> Result<String> {
+    let defines = nvrtc_defines()?;
     // A toolchain change may change the hash: that only costs one recompilation.
     let key = {
         use std::hash::{DefaultHasher, Hash, Hasher};
         let mut h = DefaultHasher::new();
-        (arch, KERNELS_SRC).hash(&mut h);
+        (arch, KERNELS_SRC, &defines).hash(&mut h);
         h.finish()
     };
     let path = cache_dir().join(format!("quiver-{key:016x}-{arch}.ptx"));
     if let Ok(s) = std::fs::read_to_string(&path) {
         return Ok(s);
     }
-    let opts = cudarc::nvrtc::CompileOptions { options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()], ..Default::default() };
+    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    options.extend(defines);
+    let opts = cudarc::nvrtc::CompileOptions { options, ..Default::default() };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS_SRC, opts).map_err(|e| anyhow::anyhow!("NVRTC failed to compile Quiver's kernels for {arch}: {e:?}"))?;
     let src = ptx.to_src();
     // The cache is an optimization: failing to write it is not an error.
