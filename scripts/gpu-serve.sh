@@ -13,6 +13,7 @@
 #   SERVE_PROMPTS    prompts per run = max(8, this × concurrency) (default 3)
 #   SERVE_ARGS       extra `quiver serve` arguments (`--disable-overlap-schedule`: the engine
 #                    without overlapped scheduling, for an A/B against the default)
+#   SERVE_CEILING=0  keep the ceiling an earlier run on this machine measured (A/B of SERVE_ARGS)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
@@ -23,7 +24,7 @@ mkdir -p "$OUT" "$LOGS" "$DATA/serve"
 concs=${SERVE_CONC:-1 16 64 256}
 per=${SERVE_PROMPTS:-3}
 model=$DATA/models/llama8b
-.gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$model" --prompt-len 128 --decode-context 160 --decode-steps 64 --reps 3 \
+[ "${SERVE_CEILING:-1}" = 0 ] && [ -f "$DATA/serve/ceiling.json" ] || .gpu/bin/quiver bench generate --device cuda --dtype bf16 --model "$model" --prompt-len 128 --decode-context 160 --decode-steps 64 --reps 3 \
     --batch-sizes "$(echo $concs | tr ' ' ',')" --output-json "$DATA/serve/ceiling.json" > "$LOGS/serve-ceiling.log" 2>&1 \
     || { echo "bench generate failed"; tail -n 5 "$LOGS/serve-ceiling.log"; }
 port=8767

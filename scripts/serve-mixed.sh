@@ -12,6 +12,7 @@
 #   MIXED_IN / MIXED_OUT (default 1024 / 512), MIXED_CONC (default 256)
 #   MIXED_FRACTIONS (default "0.2 0.4 0.6 0.8 1.0"), MIXED_SECONDS per Poisson run (default 60)
 #   MIXED_VOCAB   random token ids below this (default 49000)
+#   MIXED_ARGS    extra `quiver serve` arguments (an A/B of scheduler limits)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
@@ -23,7 +24,7 @@ q=${QUIVER:-$( [ -x .gpu/bin/quiver ] && echo .gpu/bin/quiver || echo target/rel
 model=${MIXED_MODEL:-$DATA/models/llama8b}
 in=${MIXED_IN:-1024}; out=${MIXED_OUT:-512}; conc=${MIXED_CONC:-256}; secs=${MIXED_SECONDS:-60}
 port=8768
-"$q" serve --device "${MIXED_DEVICE:-cuda}" --dtype "${MIXED_DTYPE:-bf16}" --model "$model" --served-model-name mixed --port $port > "$dir/serve.log" 2>&1 &
+"$q" serve --device "${MIXED_DEVICE:-cuda}" --dtype "${MIXED_DTYPE:-bf16}" --model "$model" --served-model-name mixed --port $port ${MIXED_ARGS:-} > "$dir/serve.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
 for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
