@@ -93,18 +93,22 @@ impl CudaDevice {
         // 24's H100 A/B had it level with the side-stream delta at one adapter and 5 points of
         // step time cheaper with 16 adapters at 64 rows, served +2 points at c64; `2` (o/down
         // deferred into the next norm) measured dearer in sessions 23 and 24, `0` is the delta
-        // beside the GEMM for every site.
+        // beside the GEMM for every site. `3`: qkv's and gate_up's shrink beside their GEMM on
+        // the side stream instead of in the norm (session 25's ncu: the norm with the shrink
+        // took 12-15 us at 64 rows against a few for the plain norm, on the critical path),
+        // the expand still in the epilogue.
         let lora_epilogue = match std::env::var("QUIVER_CUDA_LORA_EPILOGUE").as_deref() {
             _ if maj < 9 => 0,
             Ok("0") => 0,
             Ok("1") | Err(_) => 1,
             Ok("2") => 2,
+            Ok("3") => 3,
             Ok(v) => {
-                tracing::warn!("QUIVER_CUDA_LORA_EPILOGUE={v:?} is not 0, 1 or 2: 1 (the default)");
+                tracing::warn!("QUIVER_CUDA_LORA_EPILOGUE={v:?} is not 0, 1, 2 or 3: 1 (the default)");
                 1
             }
         };
-        let ahead_default = if lora_epilogue > 0 { 2 } else { lora_rows_max.max(1) + 1 };
+        let ahead_default = if lora_epilogue == 3 { lora_ahead::AHEAD_MAX_ROWS + 1 } else if lora_epilogue > 0 { 2 } else { lora_rows_max.max(1) + 1 };
         let lora_ahead_min_rows = match std::env::var("QUIVER_CUDA_LORA_AHEAD").as_deref() {
             Ok("0") => None,
             Ok("1") => Some(1),

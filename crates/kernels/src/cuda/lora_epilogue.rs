@@ -71,10 +71,14 @@ impl CudaDevice {
     }
 
     /// The base projection of `m` rows, then `epilogue` with `call`'s delta from the shrink `t`
-    /// computed ahead (where [`Self::lora_epilogue_fits`]).
+    /// computed ahead (where [`Self::lora_epilogue_fits`]); with `join` the shrink ran beside
+    /// the GEMM and the epilogue waits for the side stream.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn matmul_lora_epilogue(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, call: &LoraCall<'_>, t: u64, epilogue: Epilogue<'_>, y: &mut Tensor) {
+    pub(super) fn matmul_lora_epilogue(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, call: &LoraCall<'_>, t: u64, join: bool, epilogue: Epilogue<'_>, y: &mut Tensor) {
         self.matmul_impl(x, m, w, bias, y);
+        if join {
+            self.join_side();
+        }
         let mut st = self.state.lock().unwrap();
         let Some(site) = self.lora_site(&mut st, call) else {
             drop(st);
@@ -114,7 +118,7 @@ impl CudaDevice {
         let sh = call.shape();
         // The norm's cluster splits the inputs 8 ways, each lane holding at most 8 16-byte
         // chunks of its block's slice (`LAH_PREV_CPL`): in_dim ≤ 16384.
-        if self.lora_epilogue < 2 || sh.n_slices != 1 || sh.max_rank > 64 || !sh.in_dim.is_multiple_of(64) || sh.in_dim > 16384 || !sh.b_ld.is_multiple_of(4) || !sh.out_dim().is_multiple_of(64) {
+        if self.lora_epilogue != 2 || sh.n_slices != 1 || sh.max_rank > 64 || !sh.in_dim.is_multiple_of(64) || sh.in_dim > 16384 || !sh.b_ld.is_multiple_of(4) || !sh.out_dim().is_multiple_of(64) {
             return false;
         }
         let Some(rows_kernel) = self.lora_rows_kernel(call, m) else { return false };
