@@ -183,6 +183,7 @@ impl CudaDevice {
             lora_row1,
             lora_rows_max,
             lora_epilogue,
+            lora_epilogue_tiled_min_rows: std::env::var("QUIVER_CUDA_LORA_EPILOGUE_TILED").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             attn_gqa_min_rows,
             attn_decode,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),

@@ -159,3 +159,96 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
         store_bf16x4(outb + o + 4, make_float4(v[4], v[5], v[6], v[7]));
     }
 }
+
+// ---- SiLU·mul with gate_up's expand over tiles of rows (opt-in, lora_epilogue.rs) ----
+//
+// silu_mul_lora above loads the slot's Bᵀ columns for every row (917 KB a row for the 8B shape's
+// gate_up at rank 16), in dependent rounds of 8 rank steps, with few warps to hide them (session
+// 25's ncu at 64 rows: 17 us, 25% occupancy, its warps waiting on L1TEX). Here a block takes
+// LET_TR consecutive rows × LET_TC columns, one (row, 8-column unit) per thread as above, and
+// stages the Bᵀ columns of the slot of its first adapter row in shared memory once: one round of
+// loads for the block, issued with the rows' gate / up loads. Rows of that slot read Bᵀ from
+// shared memory; rows of another slot load theirs as silu_mul_lora does. Each delta is the same
+// sum in the same order (Σ_k from zero in rank order), so outputs are the per-row kernel's.
+// grid (ceil(inter / LET_TC), ceil(m / LET_TR)), LEP_THREADS threads, dynamic shared memory
+// 2 · R · LET_TC bf16. inter % 8 == 0, b_ld % 8 == 0 (the host checks).
+
+#define LET_TC 128 // columns per block: 16 units of 8
+#define LET_TR 8   // rows per block (LET_TR · LET_TC / 8 == LEP_THREADS)
+
+extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_mul_lora_tiled(const float* __restrict__ gu, float* __restrict__ out,
+        bf16_t* __restrict__ outb, int inter, int m, const float* __restrict__ t, const bf16_t* __restrict__ Bt, const u32* __restrict__ G, int C,
+        const u32* __restrict__ ranks, const float* __restrict__ scal, int n_slices, int R, int b_ld, int off1, int off2) {
+    extern __shared__ __align__(16) unsigned char let_smem[];
+    bf16_t* bs = reinterpret_cast<bf16_t*>(let_smem); // [slice][k][LET_TC]
+    __shared__ float coef[LET_TR][LEP_MAX_W];
+    __shared__ int rks[LET_TR];
+    __shared__ u32 slots[LET_TR];
+    pdl_entry();
+    const int r0 = blockIdx.y * LET_TR, c0 = blockIdx.x * LET_TC, W = n_slices * R;
+    if (threadIdx.x < LET_TR) {
+        const int r = r0 + threadIdx.x;
+        const u32 p = r < m ? G[1 + 4 * C + r] : LEP_NONE, s = r < m ? G[1 + 5 * C + r] : LEP_NONE;
+        rks[threadIdx.x] = (p == LEP_NONE || s == LEP_NONE) ? 0 : (int)ranks[s];
+        slots[threadIdx.x] = s;
+    }
+    __syncthreads();
+    int bi = 0;
+    while (bi < LET_TR && !rks[bi]) ++bi;
+    const u32 bslot = bi < LET_TR ? slots[bi] : LEP_NONE;
+    const int brk = bi < LET_TR ? rks[bi] : 0;
+    // The block slot's Bᵀ columns [c0, c0 + LET_TC) of the gate slice and of the up slice.
+    const int chunks = 2 * brk * (LET_TC / 8);
+    for (int q = threadIdx.x; q < chunks; q += blockDim.x) {
+        const int sl = q / (brk * (LET_TC / 8)), k = (q / (LET_TC / 8)) % brk, ch = q % (LET_TC / 8);
+        const bf16_t* src = Bt + ((size_t)bslot * R + k) * b_ld + (sl ? inter : 0) + c0 + ch * 8;
+        *reinterpret_cast<uint4*>(bs + ((size_t)sl * R + k) * LET_TC + ch * 8) = c0 + ch * 8 < inter ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
+    }
+    // Every row's scaled coefficients (lep_coef's, row by row).
+    for (int e = threadIdx.x; e < LET_TR * W; e += blockDim.x) {
+        const int i = e / W, j = e % W, rk = rks[i];
+        if (j < n_slices * rk) coef[i][j] = t[(size_t)G[1 + 4 * C + r0 + i] * W + j] * scal[slots[i] * 3 + j / rk];
+    }
+    const int i = threadIdx.x / (LET_TC / 8), u = threadIdx.x % (LET_TC / 8);
+    const int r = r0 + i, i0 = c0 + 8 * u;
+    float gv[8], uv[8], v[8];
+    const bool live = r < m && i0 < inter;
+    if (live) {
+        const float* g = gu + (size_t)r * 2 * inter;
+        lep_load8(g + i0, gv);
+        lep_load8(g + inter + i0, uv);
+    }
+    __syncthreads();
+    if (!live) return;
+    const int rk = rks[i];
+    if (rk) {
+        float dg[8], du[8];
+        const int jg = lep_slice_at(i0, off1, off2, rk), ju = lep_slice_at(inter + i0, off1, off2, rk);
+        if (slots[i] == bslot) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dg[e] = 0.f, du[e] = 0.f;
+            for (int k = 0; k < rk; ++k) {
+                float bg[8], bu[8];
+                bf16x8_to_f32(*reinterpret_cast<const uint4*>(bs + (size_t)k * LET_TC + 8 * u), bg);
+                bf16x8_to_f32(*reinterpret_cast<const uint4*>(bs + ((size_t)R + k) * LET_TC + 8 * u), bu);
+                const float cg = coef[i][jg + k], cu = coef[i][ju + k];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dg[e] += cg * bg[e], du[e] += cu * bu[e];
+            }
+        } else {
+            const bf16_t* b = Bt + (size_t)slots[i] * R * b_ld;
+            lep_delta8(b, b_ld, i0, coef[i] + jg, rk, dg);
+            lep_delta8(b, b_ld, inter + i0, coef[i] + ju, rk, du);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) gv[e] += dg[e], uv[e] += du[e];
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = silu_times(gv[e], uv[e]);
+    const size_t o = (size_t)r * inter + i0;
+    lep_store8(out + o, v);
+    if (outb) {
+        store_bf16x4(outb + o, make_float4(v[0], v[1], v[2], v[3]));
+        store_bf16x4(outb + o + 4, make_float4(v[4], v[5], v[6], v[7]));
+    }
+}

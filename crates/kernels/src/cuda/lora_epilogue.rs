@@ -50,6 +50,9 @@ impl Deferred {
 const THREADS: usize = 128;
 /// Widest shrink the kernels hold (`LEP_MAX_W`).
 const MAX_WIDTH: usize = 192;
+/// Columns and rows of `silu_mul_lora_tiled`'s blocks (`LET_TC`, `LET_TR`).
+const TILED_COLS: usize = 128;
+const TILED_ROWS: usize = 8;
 
 impl CudaDevice {
     /// Whether `epilogue` over `call`'s output can add the delta itself from a shrink computed
@@ -99,8 +102,14 @@ impl CudaDevice {
             Epilogue::SiluMul { out } => {
                 let inter = w.rows / 2;
                 let ob = self.shadow_for(&mut st, m, inter);
-                launch!(self, self.k.silu_mul_lora, ((inter / 8).div_ceil(THREADS) as u32, m as u32, 1), (THREADS as u32, 1, 1);
-                    buf(y), buf(out), ob, inter as i32, t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
+                if self.lora_epilogue_tiled_min_rows > 0 && m >= self.lora_epilogue_tiled_min_rows && sh.n_slices == 2 && sh.max_rank <= 64 {
+                    let smem = (2 * sh.max_rank * TILED_COLS * 2) as u32;
+                    launch!(self, self.k.silu_mul_lora_tiled, (inter.div_ceil(TILED_COLS) as u32, m.div_ceil(TILED_ROWS) as u32, 1), (THREADS as u32, 1, 1), smem = smem;
+                        buf(y), buf(out), ob, inter as i32, m as i32, t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
+                } else {
+                    launch!(self, self.k.silu_mul_lora, ((inter / 8).div_ceil(THREADS) as u32, m as u32, 1), (THREADS as u32, 1, 1);
+                        buf(y), buf(out), ob, inter as i32, t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
+                }
                 self.set_shadow(&mut st, ob, buf(out), m * inter);
                 self.mark("silu_mul + lora expand");
             }
