@@ -70,6 +70,18 @@ __device__ __forceinline__ void lep_store8(float* p, const float* v) {
     reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
+// SiLU(g)·u of 8 columns into out (and its bf16 copy outb, when given) at element o.
+__device__ __forceinline__ void lep_silu_store8(const float* gv, const float* uv, float* __restrict__ out, bf16_t* __restrict__ outb, size_t o) {
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = silu_times(gv[e], uv[e]);
+    lep_store8(out + o, v);
+    if (outb) {
+        store_bf16x4(outb + o, make_float4(v[0], v[1], v[2], v[3]));
+        store_bf16x4(outb + o + 4, make_float4(v[4], v[5], v[6], v[7]));
+    }
+}
+
 // Slice j of column o, times the rank: where its coefficients start.
 __device__ __forceinline__ int lep_slice_at(int o, int off1, int off2, int rk) { return ((o >= off1) + (o >= off2)) * rk; }
 
@@ -139,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
     const int i0 = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (i0 >= inter) return;
     const float* g = gu + (size_t)r * 2 * inter;
-    float gv[8], uv[8], v[8];
+    float gv[8], uv[8];
     lep_load8(g + i0, gv);
     lep_load8(g + inter + i0, uv);
     if (rk) {
@@ -150,14 +162,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
 #pragma unroll
         for (int e = 0; e < 8; ++e) gv[e] += dg[e], uv[e] += du[e];
     }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = silu_times(gv[e], uv[e]);
-    const size_t o = (size_t)r * inter + i0;
-    lep_store8(out + o, v);
-    if (outb) {
-        store_bf16x4(outb + o, make_float4(v[0], v[1], v[2], v[3]));
-        store_bf16x4(outb + o + 4, make_float4(v[4], v[5], v[6], v[7]));
-    }
+    lep_silu_store8(gv, uv, out, outb, (size_t)r * inter + i0);
 }
 
 // ---- SiLU·mul with gate_up's expand over tiles of rows (opt-in, lora_epilogue.rs) ----
@@ -211,7 +216,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
     }
     const int i = threadIdx.x / (LET_TC / 8), u = threadIdx.x % (LET_TC / 8);
     const int r = r0 + i, i0 = c0 + 8 * u;
-    float gv[8], uv[8], v[8];
+    float gv[8], uv[8];
     const bool live = r < m && i0 < inter;
     if (live) {
         const float* g = gu + (size_t)r * 2 * inter;
@@ -243,12 +248,5 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
 #pragma unroll
         for (int e = 0; e < 8; ++e) gv[e] += dg[e], uv[e] += du[e];
     }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = silu_times(gv[e], uv[e]);
-    const size_t o = (size_t)r * inter + i0;
-    lep_store8(out + o, v);
-    if (outb) {
-        store_bf16x4(outb + o, make_float4(v[0], v[1], v[2], v[3]));
-        store_bf16x4(outb + o + 4, make_float4(v[4], v[5], v[6], v[7]));
-    }
+    lep_silu_store8(gv, uv, out, outb, (size_t)r * inter + i0);
 }
