@@ -82,6 +82,22 @@ __device__ __forceinline__ void lep_silu_store8(const float* gv, const float* uv
     }
 }
 
+// RoPE of the 8 rotate pairs (x0[e], x1[e]) of half-dim index i0.. at position pos, stored at
+// row + o0 / o1 (rope_qk's arithmetic exactly).
+__device__ __forceinline__ void lep_rope_store8(float* row, int o0, int o1, const float* x0, const float* x1, const float* __restrict__ cos_t,
+                                                const float* __restrict__ sin_t, int pos, int half, int i0) {
+    float c[8], s[8], y0[8], y1[8];
+    lep_load8(cos_t + (size_t)pos * half + i0, c);
+    lep_load8(sin_t + (size_t)pos * half + i0, s);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        y0[e] = fmaf(x0[e], c[e], -(x1[e] * s[e]));
+        y1[e] = fmaf(x1[e], c[e], x0[e] * s[e]);
+    }
+    lep_store8(row + o0, y0);
+    lep_store8(row + o1, y1);
+}
+
 // Slice j of column o, times the rank: where its coefficients start.
 __device__ __forceinline__ int lep_slice_at(int o, int off1, int off2, int rk) { return ((o >= off1) + (o >= off2)) * rk; }
 
@@ -105,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) rope_q
     if (u < qk_units) {
         const int h = u / hp, i0 = (u - h * hp) * 8;
         const int o0 = h * head_dim + i0, o1 = o0 + half;
-        float x0[8], x1[8], c[8], s[8];
+        float x0[8], x1[8];
         lep_load8(row + o0, x0);
         lep_load8(row + o1, x1);
         if (rk) {
@@ -116,17 +132,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) rope_q
 #pragma unroll
             for (int e = 0; e < 8; ++e) x0[e] += d0[e], x1[e] += d1[e];
         }
-        const int pos = min((int)positions[r], max_pos - 1);
-        lep_load8(cos_t + (size_t)pos * half + i0, c);
-        lep_load8(sin_t + (size_t)pos * half + i0, s);
-        float y0[8], y1[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            y0[e] = fmaf(x0[e], c[e], -(x1[e] * s[e])); // rope_qk's arithmetic exactly
-            y1[e] = fmaf(x1[e], c[e], x0[e] * s[e]);
-        }
-        lep_store8(row + o0, y0);
-        lep_store8(row + o1, y1);
+        lep_rope_store8(row, o0, o1, x0, x1, cos_t, sin_t, min((int)positions[r], max_pos - 1), half, i0);
     } else if (rk) {
         const int o0 = heads_qk * head_dim + (u - qk_units) * 8;
         float x[8], d[8];
@@ -181,6 +187,32 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
 #define LET_TC 128 // columns per block: 16 units of 8
 #define LET_TR 8   // rows per block (LET_TR · LET_TC / 8 == LEP_THREADS)
 
+// The block's rows r0.. (past m: none): their ranks (0 for base rows) and slots, every row's
+// scaled coefficients coef[i][j] (lep_coef's), and the slot of the first adapter row, whose Bᵀ
+// the block stages (LEP_NONE, rank 0 if none). Every thread calls it; it has a barrier, and the
+// coefficients are read only after the caller's next one.
+struct LetBlock {
+    u32 slot;
+    int rk;
+};
+__device__ __forceinline__ LetBlock let_rows(const float* __restrict__ t, const u32* __restrict__ G, int C, const u32* __restrict__ ranks,
+                                             const float* __restrict__ scal, int n_slices, int W, int r0, int m, float (*coef)[LEP_MAX_W], int* rks, u32* slots) {
+    if (threadIdx.x < LET_TR) {
+        const int r = r0 + threadIdx.x;
+        const u32 p = r < m ? G[1 + 4 * C + r] : LEP_NONE, s = r < m ? G[1 + 5 * C + r] : LEP_NONE;
+        rks[threadIdx.x] = (p == LEP_NONE || s == LEP_NONE) ? 0 : (int)ranks[s];
+        slots[threadIdx.x] = s;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < LET_TR * W; e += blockDim.x) {
+        const int i = e / W, j = e % W, rk = rks[i];
+        if (j < n_slices * rk) coef[i][j] = t[(size_t)G[1 + 4 * C + r0 + i] * W + j] * scal[slots[i] * 3 + j / rk];
+    }
+    int bi = 0;
+    while (bi < LET_TR && !rks[bi]) ++bi;
+    return bi < LET_TR ? LetBlock{slots[bi], rks[bi]} : LetBlock{LEP_NONE, 0};
+}
+
 extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_mul_lora_tiled(const float* __restrict__ gu, float* __restrict__ out,
         bf16_t* __restrict__ outb, int inter, int m, const float* __restrict__ t, const bf16_t* __restrict__ Bt, const u32* __restrict__ G, int C,
         const u32* __restrict__ ranks, const float* __restrict__ scal, int n_slices, int R, int b_ld, int off1, int off2) {
@@ -190,29 +222,16 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
     __shared__ int rks[LET_TR];
     __shared__ u32 slots[LET_TR];
     pdl_entry();
-    const int r0 = blockIdx.y * LET_TR, c0 = blockIdx.x * LET_TC, W = n_slices * R;
-    if (threadIdx.x < LET_TR) {
-        const int r = r0 + threadIdx.x;
-        const u32 p = r < m ? G[1 + 4 * C + r] : LEP_NONE, s = r < m ? G[1 + 5 * C + r] : LEP_NONE;
-        rks[threadIdx.x] = (p == LEP_NONE || s == LEP_NONE) ? 0 : (int)ranks[s];
-        slots[threadIdx.x] = s;
-    }
-    __syncthreads();
-    int bi = 0;
-    while (bi < LET_TR && !rks[bi]) ++bi;
-    const u32 bslot = bi < LET_TR ? slots[bi] : LEP_NONE;
-    const int brk = bi < LET_TR ? rks[bi] : 0;
+    const int r0 = blockIdx.y * LET_TR, c0 = blockIdx.x * LET_TC;
+    const LetBlock blk = let_rows(t, G, C, ranks, scal, n_slices, n_slices * R, r0, m, coef, rks, slots);
+    const u32 bslot = blk.slot;
+    const int brk = blk.rk;
     // The block slot's Bᵀ columns [c0, c0 + LET_TC) of the gate slice and of the up slice.
     const int chunks = 2 * brk * (LET_TC / 8);
     for (int q = threadIdx.x; q < chunks; q += blockDim.x) {
         const int sl = q / (brk * (LET_TC / 8)), k = (q / (LET_TC / 8)) % brk, ch = q % (LET_TC / 8);
         const bf16_t* src = Bt + ((size_t)bslot * R + k) * b_ld + (sl ? inter : 0) + c0 + ch * 8;
         *reinterpret_cast<uint4*>(bs + ((size_t)sl * R + k) * LET_TC + ch * 8) = c0 + ch * 8 < inter ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
-    }
-    // Every row's scaled coefficients (lep_coef's, row by row).
-    for (int e = threadIdx.x; e < LET_TR * W; e += blockDim.x) {
-        const int i = e / W, j = e % W, rk = rks[i];
-        if (j < n_slices * rk) coef[i][j] = t[(size_t)G[1 + 4 * C + r0 + i] * W + j] * scal[slots[i] * 3 + j / rk];
     }
     const int i = threadIdx.x / (LET_TC / 8), u = threadIdx.x % (LET_TC / 8);
     const int r = r0 + i, i0 = c0 + 8 * u;
@@ -249,4 +268,90 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
         for (int e = 0; e < 8; ++e) gv[e] += dg[e], uv[e] += du[e];
     }
     lep_silu_store8(gv, uv, out, outb, (size_t)r * inter + i0);
+}
+
+// rope_qk_lora over tiles of LET_TR rows × 16 units, as silu_mul_lora_tiled: a unit is what a
+// rope_qk_lora thread owns (a q / k rotate pair's two 8-column chunks o0 and o1 = o0 + half, or
+// 8 v columns), and the block stages the Bᵀ chunks of its 16 units for its first adapter row's
+// slot, bs[k][unit][chunk][8]. grid (ceil(units / 16), ceil(m / LET_TR)), LEP_THREADS threads,
+// dynamic shared memory R · 16 · 2 · 8 bf16; the host's conditions are rope_qk_lora's.
+#define LET_UNITS 16 // units per block (LET_TR · LET_UNITS == LEP_THREADS)
+
+// Columns of unit u: its first chunk's start, and the second's (-1 for a v unit).
+__device__ __forceinline__ void let_rope_cols(int u, int qk_units, int hp, int head_dim, int half, int heads_qk, int* o0, int* o1) {
+    if (u < qk_units) {
+        const int h = u / hp;
+        *o0 = h * head_dim + (u - h * hp) * 8;
+        *o1 = *o0 + half;
+    } else {
+        *o0 = heads_qk * head_dim + (u - qk_units) * 8;
+        *o1 = -1;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) rope_qk_lora_tiled(float* __restrict__ qkv, const u32* __restrict__ positions,
+        const float* __restrict__ cos_t, const float* __restrict__ sin_t, int heads_qk, int head_dim, int half, int width, int max_pos, int m,
+        const float* __restrict__ t, const bf16_t* __restrict__ Bt, const u32* __restrict__ G, int C, const u32* __restrict__ ranks,
+        const float* __restrict__ scal, int n_slices, int R, int b_ld, int off1, int off2) {
+    extern __shared__ __align__(16) unsigned char let_smem[];
+    bf16_t* bs = reinterpret_cast<bf16_t*>(let_smem); // [k][LET_UNITS][2][8]
+    __shared__ float coef[LET_TR][LEP_MAX_W];
+    __shared__ int rks[LET_TR];
+    __shared__ u32 slots[LET_TR];
+    pdl_entry();
+    const int r0 = blockIdx.y * LET_TR, ub = blockIdx.x * LET_UNITS;
+    const int hp = half / 8, qk_units = heads_qk * hp;
+    const int units = qk_units + (width - heads_qk * head_dim) / 8;
+    const LetBlock blk = let_rows(t, G, C, ranks, scal, n_slices, n_slices * R, r0, m, coef, rks, slots);
+    for (int q = threadIdx.x; q < blk.rk * LET_UNITS * 2; q += blockDim.x) {
+        const int k = q / (LET_UNITS * 2), ul = (q / 2) % LET_UNITS, c = q % 2, u = ub + ul;
+        int o0 = -1, o1 = -1;
+        if (u < units) let_rope_cols(u, qk_units, hp, head_dim, half, heads_qk, &o0, &o1);
+        const int col = c ? o1 : o0;
+        *reinterpret_cast<uint4*>(bs + (((size_t)k * LET_UNITS + ul) * 2 + c) * 8) =
+            col >= 0 ? __ldg(reinterpret_cast<const uint4*>(Bt + ((size_t)blk.slot * R + k) * b_ld + col)) : make_uint4(0, 0, 0, 0);
+    }
+    const int i = threadIdx.x / LET_UNITS, ul = threadIdx.x % LET_UNITS;
+    const int r = r0 + i, u = ub + ul;
+    const bool live = r < m && u < units;
+    int o0 = 0, o1 = -1;
+    float x0[8], x1[8] = {};
+    float* row = qkv + (size_t)r * width;
+    if (live) {
+        let_rope_cols(u, qk_units, hp, head_dim, half, heads_qk, &o0, &o1);
+        lep_load8(row + o0, x0);
+        if (o1 >= 0) lep_load8(row + o1, x1);
+    }
+    __syncthreads();
+    if (!live) return;
+    const int rk = rks[i];
+    if (rk) {
+        // A head lies in one slice, and so do a unit's v columns.
+        const float* cf = coef[i] + lep_slice_at(o0, off1, off2, rk);
+        float d0[8], d1[8] = {};
+        if (slots[i] == blk.slot) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) d0[e] = 0.f, d1[e] = 0.f;
+            for (int k = 0; k < rk; ++k) {
+                float b0[8], b1[8];
+                const bf16_t* p = bs + (((size_t)k * LET_UNITS + ul) * 2) * 8;
+                bf16x8_to_f32(*reinterpret_cast<const uint4*>(p), b0);
+                bf16x8_to_f32(*reinterpret_cast<const uint4*>(p + 8), b1);
+                const float c = cf[k];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) d0[e] += c * b0[e], d1[e] += c * b1[e];
+            }
+        } else {
+            const bf16_t* b = Bt + (size_t)slots[i] * R * b_ld;
+            lep_delta8(b, b_ld, o0, cf, rk, d0);
+            if (o1 >= 0) lep_delta8(b, b_ld, o1, cf, rk, d1);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x0[e] += d0[e], x1[e] += d1[e];
+    }
+    if (o1 < 0) {
+        if (rk) lep_store8(row + o0, x0); // v columns change only by the delta
+        return;
+    }
+    lep_rope_store8(row, o0, o1, x0, x1, cos_t, sin_t, min((int)positions[r], max_pos - 1), half, o0 % head_dim);
 }
