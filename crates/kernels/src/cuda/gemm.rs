@@ -122,8 +122,9 @@ impl CudaDevice {
                     lora::Row1Lora::BesideResidual => matches!(epilogue, Epilogue::Residual { .. }),
                     lora::Row1Lora::Beside => true,
                 });
-        if ahead.is_none() && !fold && self.lora_epilogue == 3 && self.lora_side.is_some() && (2..=lora_ahead::AHEAD_MAX_ROWS).contains(&m) && self.lora_epilogue_fits(call, &epilogue, w) {
-            // The shrink beside the GEMM (it needs only x), the expand in the epilogue after both.
+        if ahead.is_none() && !fold && self.lora_epilogue == 3 && call.groups.rows == m && (2..=lora_ahead::AHEAD_MAX_ROWS).contains(&m) && self.lora_epilogue_fits(call, &epilogue, w) {
+            // The shrink beside the GEMM (it needs only x; before it where there is no side
+            // stream, e.g. profiling), the expand in the epilogue after both.
             let (shrink, beside) = self.beside(|| self.lora_shrink_launch(call, LoraX::Dense(x)));
             return match shrink {
                 Some(l) => self.matmul_lora_epilogue(x, m, w, bias, call, l.t, beside, epilogue, y),

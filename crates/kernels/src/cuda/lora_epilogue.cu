@@ -186,6 +186,26 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
 
 #define LET_TC 128 // columns per block: 16 units of 8
 #define LET_TR 8   // rows per block (LET_TR · LET_TC / 8 == LEP_THREADS)
+#ifndef LET_KG
+#define LET_KG 4   // staging loads a thread has in flight at once
+#endif
+
+// Stages `n` 16-byte chunks into shared memory, LET_KG loads in flight per thread: the block
+// passed last sets `src` (null: zeros) and `dst` for chunk q.
+#define LET_STAGE(n, ...)                                                                     \
+    for (int q0 = threadIdx.x; q0 < (n); q0 += LET_KG * blockDim.x) {                        \
+        uint4 sv[LET_KG];                                                                     \
+        bf16_t* sd[LET_KG];                                                                   \
+        _Pragma("unroll") for (int g = 0; g < LET_KG; ++g) {                                 \
+            const int q = q0 + g * blockDim.x;                                                \
+            const bf16_t* src = nullptr;                                                      \
+            bf16_t* dst = nullptr;                                                            \
+            if (q < (n)) __VA_ARGS__                                                          \
+            sv[g] = src ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0); \
+            sd[g] = dst;                                                                      \
+        }                                                                                     \
+        _Pragma("unroll") for (int g = 0; g < LET_KG; ++g) if (sd[g]) *reinterpret_cast<uint4*>(sd[g]) = sv[g]; \
+    }
 
 // The block's rows r0.. (past m: none): their ranks (0 for base rows) and slots, every row's
 // scaled coefficients coef[i][j] (lep_coef's), and the slot of the first adapter row, whose Bᵀ
@@ -227,12 +247,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
     const u32 bslot = blk.slot;
     const int brk = blk.rk;
     // The block slot's Bᵀ columns [c0, c0 + LET_TC) of the gate slice and of the up slice.
-    const int chunks = 2 * brk * (LET_TC / 8);
-    for (int q = threadIdx.x; q < chunks; q += blockDim.x) {
-        const int sl = q / (brk * (LET_TC / 8)), k = (q / (LET_TC / 8)) % brk, ch = q % (LET_TC / 8);
-        const bf16_t* src = Bt + ((size_t)bslot * R + k) * b_ld + (sl ? inter : 0) + c0 + ch * 8;
-        *reinterpret_cast<uint4*>(bs + ((size_t)sl * R + k) * LET_TC + ch * 8) = c0 + ch * 8 < inter ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
-    }
+    // This thread's row loads first, then the staging: all in flight together.
     const int i = threadIdx.x / (LET_TC / 8), u = threadIdx.x % (LET_TC / 8);
     const int r = r0 + i, i0 = c0 + 8 * u;
     float gv[8], uv[8];
@@ -242,6 +257,12 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
         lep_load8(g + i0, gv);
         lep_load8(g + inter + i0, uv);
     }
+    const int chunks = 2 * brk * (LET_TC / 8);
+    LET_STAGE(chunks, {
+        const int sl = q / (brk * (LET_TC / 8)), k = (q / (LET_TC / 8)) % brk, ch = q % (LET_TC / 8);
+        src = c0 + ch * 8 < inter ? Bt + ((size_t)bslot * R + k) * b_ld + (sl ? inter : 0) + c0 + ch * 8 : nullptr;
+        dst = bs + ((size_t)sl * R + k) * LET_TC + ch * 8;
+    })
     __syncthreads();
     if (!live) return;
     const int rk = rks[i];
@@ -303,14 +324,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) rope_q
     const int hp = half / 8, qk_units = heads_qk * hp;
     const int units = qk_units + (width - heads_qk * head_dim) / 8;
     const LetBlock blk = let_rows(t, G, C, ranks, scal, n_slices, n_slices * R, r0, m, coef, rks, slots);
-    for (int q = threadIdx.x; q < blk.rk * LET_UNITS * 2; q += blockDim.x) {
-        const int k = q / (LET_UNITS * 2), ul = (q / 2) % LET_UNITS, c = q % 2, u = ub + ul;
-        int o0 = -1, o1 = -1;
-        if (u < units) let_rope_cols(u, qk_units, hp, head_dim, half, heads_qk, &o0, &o1);
-        const int col = c ? o1 : o0;
-        *reinterpret_cast<uint4*>(bs + (((size_t)k * LET_UNITS + ul) * 2 + c) * 8) =
-            col >= 0 ? __ldg(reinterpret_cast<const uint4*>(Bt + ((size_t)blk.slot * R + k) * b_ld + col)) : make_uint4(0, 0, 0, 0);
-    }
+    // This thread's row loads first, then the staging: all in flight together.
     const int i = threadIdx.x / LET_UNITS, ul = threadIdx.x % LET_UNITS;
     const int r = r0 + i, u = ub + ul;
     const bool live = r < m && u < units;
@@ -322,6 +336,14 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) rope_q
         lep_load8(row + o0, x0);
         if (o1 >= 0) lep_load8(row + o1, x1);
     }
+    LET_STAGE(blk.rk * LET_UNITS * 2, {
+        const int k = q / (LET_UNITS * 2), sul = (q / 2) % LET_UNITS, c = q % 2, su = ub + sul;
+        int s0 = -1, s1 = -1;
+        if (su < units) let_rope_cols(su, qk_units, hp, head_dim, half, heads_qk, &s0, &s1);
+        const int col = c ? s1 : s0;
+        src = col >= 0 ? Bt + ((size_t)blk.slot * R + k) * b_ld + col : nullptr;
+        dst = bs + (((size_t)k * LET_UNITS + sul) * 2 + c) * 8;
+    })
     __syncthreads();
     if (!live) return;
     const int rk = rks[i];

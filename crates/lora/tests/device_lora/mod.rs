@@ -472,6 +472,7 @@ pub fn norms_before_projections_match_cpu(dev: Arc<dyn Device>) {
     let (heads, kv_heads) = (WIDE.q_out / hd, WIDE.kv_out / hd);
     let (tc, tg) = (rope_table(&*cpu, hd, max_pos), rope_table(&*dev, hd, max_pos));
     let cuda = matches!(dev.kind(), DeviceKind::Cuda(_));
+    let beside_shrink = std::env::var("QUIVER_CUDA_LORA_EPILOGUE").as_deref() == Ok("3");
     let ahead_count = |d: &dyn Device| -> u64 { d.stats().and_then(|s| s.rsplit(": ").next()?.parse().ok()).unwrap_or(0) };
     let two = |a: usize, i: usize| [Some(a), None, Some((a + 1) % 3)][i % 3];
     // (rows, adapter mixes, recorded shape key)
@@ -614,7 +615,9 @@ pub fn norms_before_projections_match_cpu(dev: Arc<dyn Device>) {
                 // Past 128 rows CUDA's shrink runs on tensor cores, which take the normed input
                 // (not bf16-representable, unlike the other tests' inputs) rounded to bf16:
                 // 2^-9 relative per element (measured 1.7e-3).
-                let tol = if cuda && rows > 128 { PROMPT_GEMM_TOL } else { TOL };
+                // With QUIVER_CUDA_LORA_EPILOGUE=3 the shrink is the tiles' kernel at every row
+                // count, on tensor cores from 64 rows of capacity, so the same applies there.
+                let tol = if cuda && (rows > 128 || beside_shrink) { PROMPT_GEMM_TOL } else { TOL };
                 assert!(rel <= tol, "{ctx}: relative error of the delta {rel:.3e} > {tol:.0e}");
                 if let Some((got_s, gbase_s)) = fused {
                     let inter = dout / 2;
