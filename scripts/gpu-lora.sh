@@ -4,6 +4,8 @@
 # 8B-shaped step (recorded, replayed) against the copy bandwidth with the adapter activation
 # time, and the cost of adapters in real 8B decode steps. A subset of scripts/gpu-check.sh for
 # iterating on the kernels; GPU_LORA_STEP=0 skips the 8B model and its step costs.
+# GPU_LORA_TEST_MODES: settings the kernel tests run again under, space-separated, each a
+# comma-separated list of assignments (default: the opt-in modes not yet made defaults).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
@@ -19,6 +21,10 @@ step() { # name, command...
     [ $r = ok ] || tail -n 30 "$LOGS/$name.log"
 }
 step lora-tests .gpu/bin/cuda_lora --ignored --test-threads 1 --nocapture
+for mode in ${GPU_LORA_TEST_MODES-QUIVER_CUDA_LORA_EPILOGUE=3,QUIVER_CUDA_LORA_EPILOGUE_TILED=2 QUIVER_CUDA_LORA_EPILOGUE_TILED=2}; do
+    IFS=, read -ra assigns <<< "$mode"
+    step "lora-tests-${mode//[^A-Za-z0-9_]/_}" env "${assigns[@]}" .gpu/bin/cuda_lora --ignored --test-threads 1 --nocapture
+done
 step bench-lora-kernels .gpu/bin/quiver bench lora --device cuda --part kernels --ranks 16 --kernel-adapters 1,16,64 \
     --kernel-rows 1,16,64,256,2048 --backends chunked --kernel-reps 15 --output-json "$DATA/bench-lora-kernels.json"
 step bench-lora-kernels-ranks .gpu/bin/quiver bench lora --device cuda --part kernels --ranks 8,64 --kernel-adapters 1,16 \
