@@ -277,9 +277,15 @@ impl CudaDevice {
     /// beside. A bf16 shadow of a GEMM input made before stays valid: side work never writes a
     /// GEMM input.
     pub(super) fn beside<R>(&self, f: impl FnOnce() -> R) -> (R, bool) {
-        let Some(sd) = &self.lora_side else { return (f(), false) };
-        let fail = |e: cudarc::driver::DriverError| -> ! { panic!("LoRA side stream on {}: {e:?}", self.name) };
         let before = self.touches.load(std::sync::atomic::Ordering::Relaxed);
+        let Some(sd) = &self.lora_side else {
+            // Inline on the compute stream (no side stream: profiling): the shadow stays valid
+            // all the same.
+            let r = f();
+            self.keep_shadow_from(before);
+            return (r, false);
+        };
+        let fail = |e: cudarc::driver::DriverError| -> ! { panic!("LoRA side stream on {}: {e:?}", self.name) };
         // SAFETY: events and streams of this context.
         unsafe {
             result::event::record(sd.fork, self.stream).unwrap_or_else(|e| fail(e));
@@ -290,13 +296,19 @@ impl CudaDevice {
         self.on_side.store(false, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: an event of this context on its side stream.
         unsafe { result::event::record(sd.join, sd.stream) }.unwrap_or_else(|e| fail(e));
+        self.keep_shadow_from(before);
+        (r, true)
+    }
+
+    /// A bf16 shadow current at launch count `before` stays current: what ran since was LoRA
+    /// work, which never writes a GEMM input.
+    fn keep_shadow_from(&self, before: u64) {
         let mut st = self.state.lock().unwrap();
         if let Some((p, len, n)) = st.shadow {
             if n == before {
                 st.shadow = Some((p, len, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
             }
         }
-        (r, true)
     }
 
     /// Makes the compute stream wait for the work of the last [`Self::beside`].
