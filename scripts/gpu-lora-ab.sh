@@ -7,8 +7,9 @@
 #
 #   GPU_AB          settings, space-separated (default: the defaults, each switch off, the LoRA
 #                   epilogue off, the opt-in deferred o/down deltas, the opt-in shrink beside
-#                   the GEMM and the opt-in tiled epilogues, the one-row GEMV with LoRA on fewer blocks per SM, the one-launch
-#                   delta only up to 16 rows, then the defaults again). A setting may also be
+#                   the GEMM and the opt-in tiled epilogues, the one-row GEMV with LoRA on
+#                   fewer blocks per SM, the one-launch delta only up to 16 rows, two kernel
+#                   tuning constants, then the defaults again). A setting may also be
 #                   QUIVER_CUDA_NVRTC_DEFINES=NAME=VALUE (one kernel tuning constant, no rebuild).
 #   GPU_AB_ROWS     decode rows (default "1,16,64,256"); GPU_AB_PREFILL prompt rows (default 2048)
 set -uo pipefail

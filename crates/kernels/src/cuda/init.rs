@@ -108,15 +108,20 @@ impl CudaDevice {
                 1
             }
         };
-        let ahead_default = if lora_epilogue == 3 { lora_ahead::AHEAD_MAX_ROWS + 1 } else if lora_epilogue > 0 { 2 } else { lora_rows_max.max(1) + 1 };
+        // With `3` the shrink runs beside the GEMM, so by default the norm computes none.
+        let ahead_default = match lora_epilogue {
+            3 => None,
+            0 => Some(lora_rows_max.max(1) + 1),
+            _ => Some(2),
+        };
         let lora_ahead_min_rows = match std::env::var("QUIVER_CUDA_LORA_AHEAD").as_deref() {
             Ok("0") => None,
             Ok("1") => Some(1),
             Ok("2") => Some(2),
-            Err(_) => Some(ahead_default),
+            Err(_) => ahead_default,
             Ok(v) => {
                 tracing::warn!("QUIVER_CUDA_LORA_AHEAD={v:?} is not 0, 1 or 2: the default");
-                Some(ahead_default)
+                ahead_default
             }
         }
         .filter(|_| maj >= 9);
@@ -183,7 +188,13 @@ impl CudaDevice {
             lora_row1,
             lora_rows_max,
             lora_epilogue,
-            lora_epilogue_tiled_min_rows: std::env::var("QUIVER_CUDA_LORA_EPILOGUE_TILED").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
+            lora_epilogue_tiled_min_rows: match std::env::var("QUIVER_CUDA_LORA_EPILOGUE_TILED") {
+                Err(_) => 0,
+                Ok(v) => v.parse().unwrap_or_else(|_| {
+                    tracing::warn!("QUIVER_CUDA_LORA_EPILOGUE_TILED={v:?} is not a row count: off (the default)");
+                    0
+                }),
+            },
             attn_gqa_min_rows,
             attn_decode,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),

@@ -207,6 +207,22 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
         _Pragma("unroll") for (int g = 0; g < LET_KG; ++g) if (sd[g]) *reinterpret_cast<uint4*>(sd[g]) = sv[g]; \
     }
 
+// Two deltas of 8 columns from staged Bᵀ chunks: d0[e] = Σ_k c0[k]·p0[k·stride + e] and d1 the
+// same over p1 / c1, k < rk (the per-row kernels' sums, in their order).
+__device__ __forceinline__ void let_delta8x2(const bf16_t* p0, const bf16_t* p1, size_t stride, const float* c0, const float* c1, int rk, float* d0,
+                                             float* d1) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) d0[e] = 0.f, d1[e] = 0.f;
+    for (int k = 0; k < rk; ++k) {
+        float b0[8], b1[8];
+        bf16x8_to_f32(*reinterpret_cast<const uint4*>(p0 + k * stride), b0);
+        bf16x8_to_f32(*reinterpret_cast<const uint4*>(p1 + k * stride), b1);
+        const float a0 = c0[k], a1 = c1[k];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d0[e] += a0 * b0[e], d1[e] += a1 * b1[e];
+    }
+}
+
 // The block's rows r0.. (past m: none): their ranks (0 for base rows) and slots, every row's
 // scaled coefficients coef[i][j] (lep_coef's), and the slot of the first adapter row, whose Bᵀ
 // the block stages (LEP_NONE, rank 0 if none). Every thread calls it; it has a barrier, and the
@@ -270,16 +286,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
         float dg[8], du[8];
         const int jg = lep_slice_at(i0, off1, off2, rk), ju = lep_slice_at(inter + i0, off1, off2, rk);
         if (slots[i] == bslot) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) dg[e] = 0.f, du[e] = 0.f;
-            for (int k = 0; k < rk; ++k) {
-                float bg[8], bu[8];
-                bf16x8_to_f32(*reinterpret_cast<const uint4*>(bs + (size_t)k * LET_TC + 8 * u), bg);
-                bf16x8_to_f32(*reinterpret_cast<const uint4*>(bs + ((size_t)R + k) * LET_TC + 8 * u), bu);
-                const float cg = coef[i][jg + k], cu = coef[i][ju + k];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) dg[e] += cg * bg[e], du[e] += cu * bu[e];
-            }
+            let_delta8x2(bs + 8 * u, bs + (size_t)R * LET_TC + 8 * u, LET_TC, coef[i] + jg, coef[i] + ju, rk, dg, du);
         } else {
             const bf16_t* b = Bt + (size_t)slots[i] * R * b_ld;
             lep_delta8(b, b_ld, i0, coef[i] + jg, rk, dg);
@@ -352,17 +359,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) rope_q
         const float* cf = coef[i] + lep_slice_at(o0, off1, off2, rk);
         float d0[8], d1[8] = {};
         if (slots[i] == blk.slot) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) d0[e] = 0.f, d1[e] = 0.f;
-            for (int k = 0; k < rk; ++k) {
-                float b0[8], b1[8];
-                const bf16_t* p = bs + (((size_t)k * LET_UNITS + ul) * 2) * 8;
-                bf16x8_to_f32(*reinterpret_cast<const uint4*>(p), b0);
-                bf16x8_to_f32(*reinterpret_cast<const uint4*>(p + 8), b1);
-                const float c = cf[k];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) d0[e] += c * b0[e], d1[e] += c * b1[e];
-            }
+            let_delta8x2(bs + ul * 16, bs + ul * 16 + 8, LET_UNITS * 16, cf, cf, rk, d0, d1);
         } else {
             const bf16_t* b = Bt + (size_t)slots[i] * R * b_ld;
             lep_delta8(b, b_ld, o0, cf, rk, d0);

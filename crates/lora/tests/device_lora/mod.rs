@@ -581,12 +581,11 @@ pub fn norms_before_projections_match_cpu(dev: Arc<dyn Device>) {
                     // The epilogue expand (default on, `0` off) takes the norm's shrink from 2 rows;
                     // with `3` it takes a shrink run beside the GEMM and the norm computes none.
                     let epilogue = var("QUIVER_CUDA_LORA_EPILOGUE").as_deref() != Some("0");
-                    let beside = var("QUIVER_CUDA_LORA_EPILOGUE").as_deref() == Some("3");
                     let min = match var("QUIVER_CUDA_LORA_AHEAD").as_deref() {
                         Some("1") => 1,
                         Some("2") => 2,
                         Some("0") => usize::MAX,
-                        _ if beside => usize::MAX,
+                        _ if beside_shrink => usize::MAX,
                         _ if epilogue => 2,
                         _ => rows_max.max(1) + 1,
                     };
