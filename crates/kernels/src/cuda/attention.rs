@@ -1,6 +1,8 @@
 //! Attention on CUDA: the KV write of a step's rows, then tensor-core prefill attention
-//! (`prefill_attention_*` in prefill_attention.cu) when some sequence brings several rows, else decode
-//! attention: by KV head (`decode_attention.cu`, every query head of a KV head in one block, so
+//! (`prefill_attention_*` in prefill_attention.cu) for the sequences that bring several rows,
+//! the step's one-row sequences going to the attention by KV head where it is built for the
+//! shape (else to the prefill kernel too); in a step without such sequences, decode attention:
+//! by KV head (`decode_attention.cu`, every query head of a KV head in one block, so
 //! a cached K/V row is read once) from `attn_gqa_min_rows` rows, per query head below that
 //! (`paged_attention` in kernels.cu, whose blocks split a short batch's long context finer).
 //! The attention by KV head has two kernels: `decode_attention_kv_*` (the default: K/V streamed
@@ -42,6 +44,12 @@ fn gqa_attn_threads(rows: usize) -> u32 {
 
 /// Head dims the attention by KV head is built for (the index of its kernels).
 const ATTN_GQA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// The index of the attention-by-KV-head kernels for this shape, if they are built for it.
+fn gqa_head_dim(n_heads: usize, n_kv: usize, head_dim: usize) -> Option<usize> {
+    let i = ATTN_GQA_HEAD_DIMS.iter().position(|&d| d == head_dim)?;
+    (n_heads / n_kv <= ATTN_GQA_MAX_GROUP && n_heads.is_multiple_of(n_kv)).then_some(i)
+}
 
 /// Warps per block of `decode_attention_kv_*` (`KVD_WARPS`), each streaming its own tiles of
 /// the context.
@@ -112,9 +120,19 @@ impl CudaDevice {
     /// `attn_gqa_min_rows`), a head dim it is built for (`Some(its index in
     /// ATTN_GQA_HEAD_DIMS)`), at most `ATTN_GQA_MAX_GROUP` query heads per KV head.
     fn gqa_attention(&self, rows: usize, n_heads: usize, n_kv: usize, head_dim: usize) -> Option<usize> {
-        let group = n_heads / n_kv;
-        let i = ATTN_GQA_HEAD_DIMS.iter().position(|&d| d == head_dim)?;
-        (rows >= self.attn_gqa_min_rows && group <= ATTN_GQA_MAX_GROUP && n_heads.is_multiple_of(n_kv)).then_some(i)
+        (rows >= self.attn_gqa_min_rows).then(|| gqa_head_dim(n_heads, n_kv, head_dim)).flatten()
+    }
+
+    /// `decode_attention_kv_*` over `count` rows: rows 0.. in order (`row_tiles` 0) or the first
+    /// rows of the `count` prefill tiles at `row_tiles`; `i` indexes the head dim.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_kv(&self, i: usize, count: usize, row_tiles: u64, qkv: &Tensor, kc: u64, vc: u64, rs: u64, pp: u64, bt: u64, stride: i32, out: &Tensor, ob: u64, n_heads: usize, l: KvLayout, scale: f32) {
+        // One block per (row, KV head), KV heads fastest, from the build for the fewest heads
+        // that holds the group (1, 2, 4 or 8); the bf16 copy of the output for the o-projection
+        // GEMM is written in the same pass.
+        let (hd, build) = (l.head_dim, (n_heads / l.n_kv_heads).next_power_of_two().trailing_zeros() as usize);
+        launch!(self, self.attn_decode.kv[build][i], ((count * l.n_kv_heads) as u32, 1, 1), ((KV_WARPS * 32) as u32, 1, 1), smem = (KV_WARPS * kv_ring_bytes(hd)) as u32;
+            buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), ob, row_tiles, n_heads as i32, l.n_kv_heads as i32, l.block_size as i32, scale);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -138,13 +156,23 @@ impl CudaDevice {
         let (tiles_at, n_tiles) = st.tiles;
         if n_tiles < rows && l.head_dim <= PREFILL_MAX_HEAD_DIM {
             // Some sequence brings several rows (prefill): tensor-core tiles of PREFILL_ROWS rows.
+            // A mixed step's one-row sequences (its decode rows, the last `single_tiles` tiles)
+            // go to the attention by KV head where it is built for the shape: in the prefill
+            // kernel each would take a 64-row tile per query head and read its K/V once per
+            // query head (with 256 decode rows in an 8B step, ~4× the bytes of the decode kernel).
             let hd = l.head_dim;
+            let by_kv = if self.attn_decode.v1 { None } else { gqa_head_dim(n_heads, l.n_kv_heads, hd) };
+            let singles = if by_kv.is_some() { st.single_tiles } else { 0 };
             let f = self.k.prefill_attention[hd.div_ceil(32) - 1];
             let smem = prefill_smem_bytes(32 * hd.div_ceil(32)) as u32;
             let tp = st.meta.ptr + 4 * tiles_at as u64;
             let ob = self.shadow_for(&mut st, rows, n_heads * hd);
-            launch!(self, f, (n_tiles as u32, n_heads as u32, 1), (PREFILL_THREADS, 1, 1), smem = smem;
+            launch!(self, f, ((n_tiles - singles) as u32, n_heads as u32, 1), (PREFILL_THREADS, 1, 1), smem = smem;
                 buf(qkv), kc, vc, tp, pp, bt, stride, buf(out), ob, n_heads as i32, l.n_kv_heads as i32, hd as i32, l.block_size as i32, scale);
+            if let (Some(i), true) = (by_kv, singles > 0) {
+                let singles_at = tp + 4 * 3 * (n_tiles - singles) as u64;
+                self.attention_kv(i, singles, singles_at, qkv, kc, vc, rs, pp, bt, stride, out, ob, n_heads, l, scale);
+            }
             self.set_shadow(&mut st, ob, buf(out), rows * n_heads * hd);
             self.mark("attention prefill");
         } else if let Some(i) = self.gqa_attention(rows, n_heads, l.n_kv_heads, l.head_dim) {
@@ -153,14 +181,9 @@ impl CudaDevice {
                 launch!(self, self.k.paged_attention_gqa[(group > 4) as usize][i], (rows as u32, l.n_kv_heads as u32, 1), (gqa_attn_threads(rows), 1, 1);
                     buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), n_heads as i32, l.n_kv_heads as i32, l.block_size as i32, scale);
             } else {
-                // One block per (row, KV head), KV heads fastest, from the build for the fewest
-                // heads that holds the group (1, 2, 4 or 8); the bf16 copy of the output for the
-                // o-projection GEMM is written in the same pass.
-                let (hd, build) = (l.head_dim, group.next_power_of_two().trailing_zeros() as usize);
-                let ob = self.shadow_for(&mut st, rows, n_heads * hd);
-                launch!(self, self.attn_decode.kv[build][i], ((rows * l.n_kv_heads) as u32, 1, 1), ((KV_WARPS * 32) as u32, 1, 1), smem = (KV_WARPS * kv_ring_bytes(hd)) as u32;
-                    buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), ob, n_heads as i32, l.n_kv_heads as i32, l.block_size as i32, scale);
-                self.set_shadow(&mut st, ob, buf(out), rows * n_heads * hd);
+                let ob = self.shadow_for(&mut st, rows, n_heads * l.head_dim);
+                self.attention_kv(i, rows, 0, qkv, kc, vc, rs, pp, bt, stride, out, ob, n_heads, l, scale);
+                self.set_shadow(&mut st, ob, buf(out), rows * n_heads * l.head_dim);
             }
             self.mark("attention decode");
         } else {

@@ -234,7 +234,8 @@ template <int HD, int MAXG>
 __device__ __forceinline__ void attention_kv(const float* __restrict__ qkv, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
                                              const u32* __restrict__ row_seq, const u32* __restrict__ positions,
                                              const u32* __restrict__ block_tables, int bt_stride, float* __restrict__ out,
-                                             bf16_t* __restrict__ outb, int n_heads, int n_kv, int block_size, float scale) {
+                                             bf16_t* __restrict__ outb, const u32* __restrict__ row_tiles, int n_heads, int n_kv, int block_size,
+                                             float scale) {
     static_assert((MAXG == 1 || MAXG == 2 || MAXG == 4 || MAXG == 8) && (HD == 64 || HD == 128 || HD == 256), "MAXG 1, 2, 4 or 8; HD 64, 128 or 256");
     constexpr int T = KVD_KEYS(HD);          // keys a tile: 32, 16, 8
     constexpr int PARTS = 32 / T;            // lanes a key in the scores: 1, 2, 4
@@ -255,7 +256,12 @@ __device__ __forceinline__ void attention_kv(const float* __restrict__ qkv, cons
     __shared__ __align__(16) float sm_p[KVD_WARPS][T][MAXG];
     __shared__ float sm_m[KVD_WARPS][MAXG], sm_l[KVD_WARPS][MAXG];
     pdl_entry();
-    const int r = blockIdx.x / n_kv, kvh = blockIdx.x % n_kv;
+    // Rows 0.. in order, or (a mixed step's one-row sequences) the first rows of the prefill
+    // tiles (first row, rows, sequence) at `row_tiles`.
+    // (Read again where the output is written rather than held in a register through the loop:
+    // holding it spilled the 256-dim, 8-head build.)
+    auto row = [&]() -> int { return row_tiles ? (int)row_tiles[3 * (blockIdx.x / n_kv)] : (int)(blockIdx.x / n_kv); };
+    const int r = row(), kvh = blockIdx.x % n_kv;
     const int G = n_heads / n_kv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int width = (n_heads + 2 * n_kv) * HD;
@@ -409,7 +415,7 @@ __device__ __forceinline__ void attention_kv(const float* __restrict__ qkv, cons
         }
     }
     __syncthreads();
-    const size_t at = ((size_t)r * n_heads + (size_t)kvh * G) * HD;
+    const size_t at = ((size_t)row() * n_heads + (size_t)kvh * G) * HD;
     for (int e = threadIdx.x; e < G * HD; e += blockDim.x) {
         const int g = e / HD;
         float M = NEG_INF;
@@ -433,8 +439,8 @@ __device__ __forceinline__ void attention_kv(const float* __restrict__ qkv, cons
     extern "C" __global__ void __launch_bounds__(KVD_WARPS * 32, 3) decode_attention_kv_##HD##_##MAXG(                                               \
         const float* __restrict__ qkv, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, const u32* __restrict__ row_seq,                   \
         const u32* __restrict__ positions, const u32* __restrict__ block_tables, int bt_stride, float* __restrict__ out, bf16_t* __restrict__ outb,      \
-        int n_heads, int n_kv, int block_size, float scale) {                                                                                           \
-        attention_kv<HD, MAXG>(qkv, kc, vc, row_seq, positions, block_tables, bt_stride, out, outb, n_heads, n_kv, block_size, scale);                \
+        const u32* __restrict__ row_tiles, int n_heads, int n_kv, int block_size, float scale) {                                                        \
+        attention_kv<HD, MAXG>(qkv, kc, vc, row_seq, positions, block_tables, bt_stride, out, outb, row_tiles, n_heads, n_kv, block_size, scale);     \
     }
 ATTENTION_KV(64, 1)
 ATTENTION_KV(128, 1)

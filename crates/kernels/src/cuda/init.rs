@@ -42,6 +42,7 @@ impl CudaDevice {
             gemv_lora_ctr: DevBuf::zeroed(&ctx, 16)?,
             row_seq: None,
             tiles: (0, 0),
+            single_tiles: 0,
             side: DevBuf::zeroed(&ctx, 0)?,
             xbf: DevBuf::zeroed(&ctx, 0)?,
             shadow: None,

@@ -76,8 +76,11 @@ struct State {
     /// Offset of the row → sequence map derived from `seq_starts` at staging.
     row_seq: Option<StagedSlice>,
     /// Offset and count of the prefill-attention tiles (first row, rows, sequence) of the
-    /// staged batch; tiles never cross a sequence.
+    /// staged batch; tiles never cross a sequence. Those of sequences with several rows come
+    /// first, then `single_tiles` tiles of one-row sequences (a mixed step's decode rows, which
+    /// the attention by KV head serves instead of the prefill kernel).
     tiles: (usize, usize),
+    single_tiles: usize,
     side: DevBuf,
     xbf: DevBuf,
     /// `(f32 tensor, elements, touch count)`: `xbf` holds the bf16 copy of that tensor, written by

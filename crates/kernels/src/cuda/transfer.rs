@@ -71,7 +71,7 @@ impl CudaDevice {
         debug_assert!(st.lora_deferred.is_none(), "a step left a LoRA delta deferred");
         st.lora_deferred = None;
         assert!(extra.len() <= MAX_EXTRA, "stage_batch: at most {MAX_EXTRA} extra slices");
-        let State { host_meta, staged, row_seq, tiles, .. } = st;
+        let State { host_meta, staged, row_seq, tiles, single_tiles, .. } = st;
         host_meta.clear();
         let slices: [&[u32]; 6] = [ids, b.positions, b.seq_starts, b.ctx_lens, b.block_tables, logits_rows];
         for (i, s) in slices.iter().chain(extra).chain(std::iter::repeat_n(&(&[] as &[u32]), MAX_EXTRA - extra.len())).enumerate() {
@@ -86,14 +86,25 @@ impl CudaDevice {
             }
         }
         *row_seq = Some(StagedSlice { addr: b.positions.as_ptr() as usize, len: b.positions.len(), offset });
+        // The tiles of sequences with several rows, then those of one-row sequences.
         let tiles_at = host_meta.len();
         for s in 0..nseq {
             let (a, e) = (b.seq_starts[s], b.seq_starts[s + 1]);
-            for r0 in (a..e).step_by(PREFILL_ROWS) {
-                host_meta.extend_from_slice(&[r0, (e - r0).min(PREFILL_ROWS as u32), s as u32]);
+            if e > a + 1 {
+                for r0 in (a..e).step_by(PREFILL_ROWS) {
+                    host_meta.extend_from_slice(&[r0, (e - r0).min(PREFILL_ROWS as u32), s as u32]);
+                }
+            }
+        }
+        let several = (host_meta.len() - tiles_at) / 3;
+        for s in 0..nseq {
+            let a = b.seq_starts[s];
+            if b.seq_starts[s + 1] == a + 1 {
+                host_meta.extend_from_slice(&[a, 1, s as u32]);
             }
         }
         *tiles = (tiles_at, (host_meta.len() - tiles_at) / 3);
+        *single_tiles = tiles.1 - several;
         let bytes = host_meta.len() * 4;
         self.grow(&mut st.meta, bytes);
         self.upload_meta(st);

@@ -219,7 +219,8 @@ pub fn rope_matches_cpu(g: &dyn Device) {
 
 /// Varlen prefill of several sequences (block tables scattered over a shuffled pool), then a
 /// decode step of one row each, then a prefill chunk continuing each sequence (new rows attend to
-/// a cached prefix): every step's output against the CPU. Lengths straddle the prefill kernel's
+/// a cached prefix), then a mixed step (one row for half the sequences, a chunk for the others,
+/// interleaved): every step's output against the CPU. Lengths straddle the prefill kernel's
 /// 64-row and 64-key tiles; head dims that are not multiples of its 32-dim padding.
 pub fn paged_attention_matches_cpu(g: &dyn Device, tol: &Tolerances) {
     paged_attention_cases_match_cpu(g, tol, &[(4, 4, 16, 16), (9, 3, 64, 16), (32, 8, 128, 16), (6, 2, 80, 8), (8, 2, 96, 16), (4, 1, 40, 16), (2, 2, 8, 16), (3, 1, 20, 16)]);
@@ -244,19 +245,23 @@ pub fn paged_attention_cases_match_cpu(g: &dyn Device, tol: &Tolerances, cases: 
     for &(nh, nkv, hd, bs) in cases {
         let lens = [1usize, 5, 17, 40, 64, 130, 200, 3]; // 8 rows in the decode step
         let chunk = 70;
-        let max_blocks = (lens.iter().max().unwrap() + 1 + chunk).div_ceil(bs);
+        // Step 3 mixes them: even sequences decode one row, odd ones bring a chunk of `mix`
+        // rows, so a mixed step's one-row sequences sit between the others' rows.
+        let mix = 9;
+        let max_blocks = (lens.iter().max().unwrap() + 2 + chunk + mix).div_ceil(bs);
         let (num_blocks, tables) = shuffled_block_tables(&mut r, lens.len(), max_blocks);
         let layout = KvLayout { num_layers: 2, num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
         let (mut kc, mut kg) = (c.alloc_kv(layout), g.alloc_kv(layout));
         let width = (nh + 2 * nkv) * hd;
         let scale = 1.0 / (hd as f32).sqrt();
-        for step in 0..3 {
+        for step in 0..4 {
             let (mut starts, mut positions, mut ctx) = (vec![0u32], Vec::new(), Vec::new());
-            for &l in &lens {
+            for (s, &l) in lens.iter().enumerate() {
                 let (from, to) = match step {
                     0 => (0, l),
                     1 => (l, l + 1),
-                    _ => (l + 1, l + 1 + chunk),
+                    2 => (l + 1, l + 1 + chunk),
+                    _ => (l + 1 + chunk, l + 1 + chunk + if s % 2 == 0 { 1 } else { mix }),
                 };
                 positions.extend(from as u32..to as u32);
                 starts.push(positions.len() as u32);
