@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What LoRA's expand would cost inside the base GEMM (GPU machine, PyTorch's cuBLAS).
 
-The design this measures before it is built (issue 19): every LoRA-able weight keeps its pool
+The design this measures before it is built (issue 19, `docs/lora-in-the-gemm.md`): every LoRA-able weight keeps its pool
 slots' scaled B as S·r extra input columns ([W | B_1 .. B_S], row stride K + S·r), and a step's
 GEMM input carries each row's shrink t = x·Aᵀ in its slot's r columns of the same tail (zeros in
 the others), so one GEMM over K + S·r columns adds every row's delta: no expand launch, no
