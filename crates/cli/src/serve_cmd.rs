@@ -33,8 +33,9 @@ pub struct ServeArgs {
     pub device: DeviceKind,
     /// Split the model over N tensor-parallel ranks (SGLang: --tp-size): heads, MLP columns and
     /// vocabulary divided N ways, partial results summed. On --device cpu the ranks are
-    /// threads of this process: a correctness mode, not faster than 1. CUDA needs NCCL
-    /// collectives, not built yet, and refuses N > 1.
+    /// threads of this process: a correctness mode, not faster than 1. On --device cuda:N the
+    /// ranks are GPUs N, N+1, ... of this host, summing through peer memory (GPUs without peer
+    /// access between them are refused: NCCL for them is not built).
     #[arg(long = "tensor-parallel-size", visible_alias = "tp-size", default_value_t = 1, value_name = "N")]
     pub tensor_parallel_size: usize,
     /// What to serve: `generate` (text) or `embed` (`/v1/embeddings`, pooled as the model's
