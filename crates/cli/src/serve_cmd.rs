@@ -97,6 +97,11 @@ pub struct ServeArgs {
     pub max_num_batched_tokens: Option<usize>,
     #[arg(long)]
     pub chunked_prefill_size: Option<usize>,
+    /// A step's token budget, decode rows included, whenever its decode rows leave room in it
+    /// for at least 64 prompt tokens (else --max-num-batched-tokens): prompts ride on decode
+    /// steps a few at a time instead of arriving in waves of all-prefill steps. 0: off (default).
+    #[arg(long, value_name = "N")]
+    pub mixed_step_tokens: Option<usize>,
     /// KV cache size, bytes (suffixes K, M, G accepted).
     #[arg(long)]
     pub kv_cache_memory: Option<String>,
@@ -212,6 +217,9 @@ pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
     if let Some(v) = a.chunked_prefill_size {
         c.chunked_prefill_size = v;
     }
+    if let Some(v) = a.mixed_step_tokens {
+        c.mixed_step_tokens = v;
+    }
     if let Some(v) = a.gpu_memory_utilization {
         c.gpu_memory_utilization = v;
     }
@@ -235,13 +243,14 @@ pub fn engine_config(a: &ServeArgs) -> Result<quiver_engine::EngineConfig> {
     if gpu {
         let set = |v: bool| if v { "set" } else { "GPU default" };
         eprintln!(
-            "quiver: batch limits on the GPU: --max-running-requests {} ({}), --max-num-batched-tokens {} ({}), --chunked-prefill-size {} ({})",
+            "quiver: batch limits on the GPU: --max-running-requests {} ({}), --max-num-batched-tokens {} ({}), --chunked-prefill-size {} ({}), --mixed-step-tokens {}",
             c.max_running_requests,
             set(a.max_running_requests.is_some()),
             c.max_num_batched_tokens,
             set(a.max_num_batched_tokens.is_some()),
             c.chunked_prefill_size,
-            set(a.chunked_prefill_size.is_some())
+            set(a.chunked_prefill_size.is_some()),
+            if c.mixed_step_tokens == 0 { "0 (off)".to_string() } else { c.mixed_step_tokens.to_string() }
         );
     }
     Ok(c)

@@ -34,6 +34,11 @@ impl std::str::FromStr for SchedulePolicy {
     }
 }
 
+/// Fewest prompt tokens a step's decode rows must leave within `mixed_step_tokens` for that
+/// budget to apply; with less room the step takes `max_num_batched_tokens`, so a prompt is never
+/// fed a few tokens a step behind a nearly full batch of decode rows.
+pub const MIXED_STEP_MIN_PROMPT: usize = 64;
+
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     /// Sequences (rows of samples, `n > 1` counts n) running at once.
@@ -50,6 +55,12 @@ pub struct EngineConfig {
     pub max_num_batched_tokens: usize,
     /// Largest prefill chunk of one sequence in one step.
     pub chunked_prefill_size: usize,
+    /// `--mixed-step-tokens`: when a step's decode rows leave room within this many tokens for
+    /// at least [`MIXED_STEP_MIN_PROMPT`] prompt tokens, this is the step's budget instead of
+    /// `max_num_batched_tokens`, so prompts ride on decode steps a few at a time (on a GPU a
+    /// decode step below ~256 rows streams its weights with compute to spare) and a burst of
+    /// equal requests does not run in waves of all-prefill then all-decode steps. 0: off.
+    pub mixed_step_tokens: usize,
     /// KV pool size in bytes; `None` = 30% of available memory, at most 4 GiB and at most what
     /// `max_running_requests` full-length sequences need.
     pub kv_cache_memory: Option<usize>,
@@ -91,6 +102,7 @@ impl Default for EngineConfig {
             eviction_policy: EvictionPolicy::Lru,
             max_num_batched_tokens: 2048,
             chunked_prefill_size: 512,
+            mixed_step_tokens: 0,
             kv_cache_memory: None,
             gpu_memory_utilization: 0.9,
             block_size: 16,
@@ -125,6 +137,9 @@ impl EngineConfig {
         pos(self.max_queued_requests, "max_queued_requests")?;
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
             return Err(format!("gpu_memory_utilization must be in (0, 1], got {}", self.gpu_memory_utilization));
+        }
+        if self.mixed_step_tokens != 0 && self.mixed_step_tokens <= MIXED_STEP_MIN_PROMPT {
+            return Err(format!("mixed_step_tokens ({}) must be 0 (off) or more than {MIXED_STEP_MIN_PROMPT}", self.mixed_step_tokens));
         }
         if self.max_num_batched_tokens < self.max_running_requests {
             return Err(format!(

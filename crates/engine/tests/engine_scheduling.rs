@@ -237,3 +237,35 @@ fn disable_prefix_cache_reuses_nothing() {
     assert_eq!(s.kv_blocks_cached, 0);
     h.shutdown_and_join();
 }
+
+/// `mixed_step_tokens` (`--mixed-step-tokens`): with it, prompts run a few at a time within
+/// that budget beside the decode rows (more, smaller steps than the full budget's one big
+/// prefill step), and every request still gives what it gives alone.
+#[test]
+fn mixed_step_budget_spreads_prompts_and_outputs_stay_identical() {
+    let oracle_lm = tiny(13);
+    let vocab = oracle_lm.model.config.vocab_size;
+    let cases: Vec<Vec<u32>> = (0..8).map(|i| prompt(300 + i, 60 + (i as usize * 13) % 40, vocab)).collect();
+    let max_tokens = 24;
+    let mut steps = Vec::new();
+    for mixed in [0, 80] {
+        let cfg = EngineConfig { max_running_requests: 8, max_num_batched_tokens: 1024, chunked_prefill_size: 256, mixed_step_tokens: mixed, ..Default::default() };
+        let h = Engine::start(tiny(13), cfg).unwrap();
+        let streams: Vec<_> = cases.iter().map(|p| h.submit(greedy(p.clone(), None, max_tokens)).unwrap()).collect();
+        let got: Vec<_> = streams.into_iter().map(|s| s.collect_blocking()).collect();
+        let stats = h.stats();
+        steps.push(stats.steps);
+        assert_eq!(stats.prefill_tokens, cases.iter().map(|p| p.len() as u64).sum::<u64>(), "mixed_step_tokens {mixed}: every prompt token once");
+        for (i, (p, c)) in cases.iter().zip(&got).enumerate() {
+            assert_eq!(c.finish[0], Some(FinishReason::Length), "mixed_step_tokens {mixed}, request {i}: {:?}", c.error);
+            assert_eq!(c.tokens[0], alone(&oracle_lm.model, None, p, max_tokens, &[]), "mixed_step_tokens {mixed}, request {i} differs from running alone");
+        }
+    }
+    // 8 prompts of 60-99 tokens (~620 in all): one or two prefill steps under 1024 tokens; at
+    // most 80 a step less the decode rows, about 9.
+    assert!(steps[1] >= steps[0] + 5, "steps without / with the mixed budget: {steps:?}");
+    // A budget that could never leave room for a prompt beside a decode row is refused.
+    let at = |n| EngineConfig { mixed_step_tokens: n, ..Default::default() }.validate();
+    assert!(at(64).unwrap_err().contains("mixed_step_tokens"));
+    assert!(at(65).is_ok() && at(0).is_ok());
+}

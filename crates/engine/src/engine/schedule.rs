@@ -48,12 +48,30 @@ impl Core {
         true
     }
 
+    /// The token budget of a step whose decode rows take `decode` tokens of it
+    /// (`EngineConfig::mixed_step_tokens`).
+    fn step_token_limit(&self, decode: usize) -> usize {
+        let (mixed, max) = (self.cfg.mixed_step_tokens, self.cfg.max_num_batched_tokens);
+        if mixed > 0 && decode + crate::config::MIXED_STEP_MIN_PROMPT <= mixed {
+            mixed.min(max)
+        } else {
+            max
+        }
+    }
+
     pub(super) fn schedule(&mut self) -> bool {
-        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut limit = self.cfg.max_num_batched_tokens;
+        let mut budget = limit;
         self.sched.clear();
         let mut preempted = false;
         // Decode rows first, then running prefills, both oldest first.
         for pass in 0..2 {
+            if pass == 1 {
+                // The decode rows are in: what is left of this step's budget is for prompts.
+                let decode: usize = self.sched.iter().map(|x| x.1).sum();
+                limit = self.step_token_limit(decode);
+                budget = limit.saturating_sub(decode);
+            }
             let mut i = 0;
             while i < self.running.len() && budget > 0 {
                 let si = self.running[i];
@@ -83,7 +101,7 @@ impl Core {
                 if self.preemptions_now() != before {
                     preempted = true;
                     // Victims scheduled earlier gave their budget back.
-                    budget = self.cfg.max_num_batched_tokens - self.sched.iter().map(|x| x.1).sum::<usize>();
+                    budget = limit.saturating_sub(self.sched.iter().map(|x| x.1).sum::<usize>());
                 }
                 self.sched.push((si, chunk));
                 self.seq_mut(si).scheduled = true;
