@@ -14,6 +14,7 @@
 #   SERVE_ARGS       extra `quiver serve` arguments (`--disable-overlap-schedule`: the engine
 #                    without overlapped scheduling, for an A/B against the default)
 #   SERVE_CEILING=0  keep the ceiling an earlier run on this machine measured (A/B of SERVE_ARGS)
+#   QUIVER_ENGINE_PROFILE=1  also print the server's step report after each concurrency
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
@@ -41,6 +42,9 @@ for c in $concs; do
         --random-range-ratio 1 --random-vocab-size 49000 --ignore-eos --num-prompts "$n" --max-concurrency "$c" --warmup-requests "$c" \
         --no-progress --output-json "$DATA/serve/engine-c$c.json" > "$LOGS/serve-engine-c$c.log" 2>&1 \
         || { echo "bench c$c failed"; tail -n 5 "$LOGS/serve-engine-c$c.log"; }
+    # With QUIVER_ENGINE_PROFILE=1 in the environment: the server's last step report after this
+    # concurrency (rows a step, steps carrying prompts: what a budget setting does to the load).
+    [ "${QUIVER_ENGINE_PROFILE:-0}" = 0 ] || { echo "c$c engine profile:"; grep -E "engine profile, (decode|with prefill)" "$LOGS/serve-engine.log" | tail -n 2 | cut -c1-160; }
 done
 python3 - "$DATA/serve" "$concs" <<'PY' | tee "$OUT/serve-engine.txt"
 import json, os, sys
