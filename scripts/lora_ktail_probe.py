@@ -13,26 +13,16 @@ design would), for tails of 1, 4, 16 and 64 rank-16 slots.
 
     python3 scripts/lora_ktail_probe.py [rows,...]     (default 1,16,64,256,2048)
 """
+import os
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_models import timed  # median ms of a callable, CUDA events  # noqa: E402
+
 SITES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 TAILS = [16, 64, 256, 1024]
-
-
-def timed(fn, reps=30):
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main():
@@ -47,10 +37,10 @@ def main():
             x = torch.randn(m, ld, device="cuda", dtype=torch.bfloat16)
             y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             # Views with the full row stride: cuBLAS reads them in place (lda = ld).
-            base = timed(lambda: torch.mm(x[:, :k], w[:, :k].t(), out=y))
+            base = 1e3 * timed(lambda: torch.mm(x[:, :k], w[:, :k].t(), out=y), 30)
             cells = []
             for t in TAILS:
-                us = timed(lambda: torch.mm(x[:, : k + t], w[:, : k + t].t(), out=y))
+                us = 1e3 * timed(lambda: torch.mm(x[:, : k + t], w[:, : k + t].t(), out=y), 30)
                 cells.append(f"{us:>8.1f} {us / base:>4.2f}x")
             print(f"{site:>8}{m:>6}{base:>9.1f}" + "".join(f"{c:>14}" for c in cells))
 
