@@ -5,7 +5,7 @@
 # time, and the cost of adapters in real 8B decode steps. A subset of scripts/gpu-check.sh for
 # iterating on the kernels; GPU_LORA_STEP=0 skips the 8B model and its step costs.
 # GPU_LORA_TEST_MODES: settings the kernel tests run again under, space-separated, each a
-# comma-separated list of assignments (default: the opt-in modes not yet made defaults).
+# comma-separated list of assignments (default: none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
@@ -21,7 +21,7 @@ step() { # name, command...
     [ $r = ok ] || tail -n 30 "$LOGS/$name.log"
 }
 step lora-tests .gpu/bin/cuda_lora --ignored --test-threads 1 --nocapture
-for mode in ${GPU_LORA_TEST_MODES-QUIVER_CUDA_LORA_EPILOGUE=3,QUIVER_CUDA_LORA_EPILOGUE_TILED=2 QUIVER_CUDA_LORA_EPILOGUE_TILED=2}; do
+for mode in ${GPU_LORA_TEST_MODES:-}; do
     IFS=, read -ra assigns <<< "$mode"
     step "lora-tests-${mode//[^A-Za-z0-9_]/_}" env "${assigns[@]}" .gpu/bin/cuda_lora --ignored --test-threads 1 --nocapture
 done

@@ -122,26 +122,12 @@ impl CudaDevice {
                     lora::Row1Lora::BesideResidual => matches!(epilogue, Epilogue::Residual { .. }),
                     lora::Row1Lora::Beside => true,
                 });
-        if ahead.is_none() && !fold && self.lora_epilogue == 3 && call.groups.rows == m && (2..=lora_ahead::AHEAD_MAX_ROWS).contains(&m) && self.lora_epilogue_fits(call, &epilogue, w) {
-            // The shrink beside the GEMM (it needs only x; before it where there is no side
-            // stream, e.g. profiling), the expand in the epilogue after both.
-            let (shrink, beside) = self.beside(|| self.lora_shrink_launch(call, LoraX::Dense(x)));
-            return match shrink {
-                Some(l) => self.matmul_lora_epilogue(x, m, w, bias, call, l.t, beside, epilogue, y),
-                None => {
-                    if beside {
-                        self.join_side();
-                    }
-                    crate::epilogue_after_matmul(self, x, m, w, bias, epilogue, y)
-                }
-            };
-        }
         if let Some(t) = ahead {
             if !fold {
                 // The norm computed the shrink: the expand in the epilogue where it takes it,
                 // else right after the GEMM, then the epilogue.
                 if self.lora_epilogue_fits(call, &epilogue, w) {
-                    return self.matmul_lora_epilogue(x, m, w, bias, call, t, false, epilogue, y);
+                    return self.matmul_lora_epilogue(x, m, w, bias, call, t, epilogue, y);
                 }
                 self.matmul_impl(x, m, w, bias, y);
                 self.lora_expand_ahead(call, t, buf(y));

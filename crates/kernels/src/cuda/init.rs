@@ -94,35 +94,27 @@ impl CudaDevice {
         // 24's H100 A/B had it level with the side-stream delta at one adapter and 5 points of
         // step time cheaper with 16 adapters at 64 rows, served +2 points at c64; `2` (o/down
         // deferred into the next norm) measured dearer in sessions 23 and 24, `0` is the delta
-        // beside the GEMM for every site. `3`: qkv's and gate_up's shrink beside their GEMM on
-        // the side stream instead of in the norm (session 25's ncu: the norm with the shrink
-        // took 12-15 us at 64 rows against a few for the plain norm, on the critical path),
-        // the expand still in the epilogue.
+        // beside the GEMM for every site. (`3`, qkv's and gate_up's shrink beside their GEMM
+        // instead of in the norm, measured no faster in session 26 and was removed.)
         let lora_epilogue = match std::env::var("QUIVER_CUDA_LORA_EPILOGUE").as_deref() {
             _ if maj < 9 => 0,
             Ok("0") => 0,
             Ok("1") | Err(_) => 1,
             Ok("2") => 2,
-            Ok("3") => 3,
             Ok(v) => {
-                tracing::warn!("QUIVER_CUDA_LORA_EPILOGUE={v:?} is not 0, 1, 2 or 3: 1 (the default)");
+                tracing::warn!("QUIVER_CUDA_LORA_EPILOGUE={v:?} is not 0, 1 or 2: 1 (the default)");
                 1
             }
         };
-        // With `3` the shrink runs beside the GEMM, so by default the norm computes none.
-        let ahead_default = match lora_epilogue {
-            3 => None,
-            0 => Some(lora_rows_max.max(1) + 1),
-            _ => Some(2),
-        };
+        let ahead_default = if lora_epilogue > 0 { 2 } else { lora_rows_max.max(1) + 1 };
         let lora_ahead_min_rows = match std::env::var("QUIVER_CUDA_LORA_AHEAD").as_deref() {
             Ok("0") => None,
             Ok("1") => Some(1),
             Ok("2") => Some(2),
-            Err(_) => ahead_default,
+            Err(_) => Some(ahead_default),
             Ok(v) => {
                 tracing::warn!("QUIVER_CUDA_LORA_AHEAD={v:?} is not 0, 1 or 2: the default");
-                ahead_default
+                Some(ahead_default)
             }
         }
         .filter(|_| maj >= 9);
@@ -189,13 +181,6 @@ impl CudaDevice {
             lora_row1,
             lora_rows_max,
             lora_epilogue,
-            lora_epilogue_tiled_min_rows: match std::env::var("QUIVER_CUDA_LORA_EPILOGUE_TILED") {
-                Err(_) => 0,
-                Ok(v) => v.parse().unwrap_or_else(|_| {
-                    tracing::warn!("QUIVER_CUDA_LORA_EPILOGUE_TILED={v:?} is not a row count: off (the default)");
-                    0
-                }),
-            },
             attn_gqa_min_rows,
             attn_decode,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),

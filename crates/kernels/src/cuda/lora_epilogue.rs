@@ -21,10 +21,6 @@
 //! the residual with the GEMM output, then norms and computes the next site's shrink as before.
 //! Any other consumer, or a norm the fused kernel does not fit, first adds the deferred delta
 //! with the one-launch kernel (`lora_rows.rs`), so a deferral never outlives the op after it.
-//!
-//! `QUIVER_CUDA_LORA_EPILOGUE_TILED=N` (opt-in, session 25): steps of at least N rows take the
-//! `*_tiled` kernels, which stage a block's Bᵀ columns once for its 8 rows instead of loading
-//! them per row (see lora_epilogue.cu).
 
 use super::lora::LoraSite;
 use super::*;
@@ -54,19 +50,8 @@ impl Deferred {
 const THREADS: usize = 128;
 /// Widest shrink the kernels hold (`LEP_MAX_W`).
 const MAX_WIDTH: usize = 192;
-/// Columns and rows of `silu_mul_lora_tiled`'s blocks (`LET_TC`, `LET_TR`), units of
-/// `rope_qk_lora_tiled`'s (`LET_UNITS`).
-const TILED_COLS: usize = 128;
-const TILED_ROWS: usize = 8;
-const TILED_UNITS: usize = 16;
 
 impl CudaDevice {
-    /// Whether a step of `m` rows takes the tiled epilogue kernels (opt-in; their staged Bᵀ
-    /// fits the static shared-memory limit up to rank 64).
-    fn tiled_epilogue(&self, m: usize, max_rank: usize) -> bool {
-        self.lora_epilogue_tiled_min_rows > 0 && m >= self.lora_epilogue_tiled_min_rows && max_rank <= 64
-    }
-
     /// Whether `epilogue` over `call`'s output can add the delta itself from a shrink computed
     /// ahead: RoPE over whole heads of a width of 16s, or SiLU·mul of an 8-aligned half;
     /// 16-byte Bᵀ rows; the delta covering the whole output.
@@ -86,14 +71,10 @@ impl CudaDevice {
     }
 
     /// The base projection of `m` rows, then `epilogue` with `call`'s delta from the shrink `t`
-    /// computed ahead (where [`Self::lora_epilogue_fits`]); with `join` the shrink ran beside
-    /// the GEMM and the epilogue waits for the side stream.
+    /// computed ahead (where [`Self::lora_epilogue_fits`]).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn matmul_lora_epilogue(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, call: &LoraCall<'_>, t: u64, join: bool, epilogue: Epilogue<'_>, y: &mut Tensor) {
+    pub(super) fn matmul_lora_epilogue(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, call: &LoraCall<'_>, t: u64, epilogue: Epilogue<'_>, y: &mut Tensor) {
         self.matmul_impl(x, m, w, bias, y);
-        if join {
-            self.join_side();
-        }
         let mut st = self.state.lock().unwrap();
         let Some(site) = self.lora_site(&mut st, call) else {
             drop(st);
@@ -106,29 +87,16 @@ impl CudaDevice {
                 let (hd, heads_qk) = (table.head_dim, n_heads + n_kv_heads);
                 let units = heads_qk * hd / 16 + n_kv_heads * hd / 8;
                 let pp = self.meta_ptr(&mut st, &positions[..m]);
-                if self.tiled_epilogue(m, sh.max_rank) {
-                    let smem = (sh.max_rank * TILED_UNITS * 16 * 2) as u32;
-                    launch!(self, self.k.rope_qk_lora_tiled, (units.div_ceil(TILED_UNITS) as u32, m.div_ceil(TILED_ROWS) as u32, 1), (THREADS as u32, 1, 1), smem = smem;
-                        buf(y), pp, buf(&table.cos), buf(&table.sin), heads_qk as i32, hd as i32, (hd / 2) as i32, w.rows as i32, table.max_pos as i32, m as i32,
-                        t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
-                } else {
-                    launch!(self, self.k.rope_qk_lora, (units.div_ceil(THREADS) as u32, m as u32, 1), (THREADS as u32, 1, 1);
-                        buf(y), pp, buf(&table.cos), buf(&table.sin), heads_qk as i32, hd as i32, (hd / 2) as i32, w.rows as i32, table.max_pos as i32,
-                        t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
-                }
+                launch!(self, self.k.rope_qk_lora, (units.div_ceil(THREADS) as u32, m as u32, 1), (THREADS as u32, 1, 1);
+                    buf(y), pp, buf(&table.cos), buf(&table.sin), heads_qk as i32, hd as i32, (hd / 2) as i32, w.rows as i32, table.max_pos as i32,
+                    t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
                 self.mark("rope + lora expand");
             }
             Epilogue::SiluMul { out } => {
                 let inter = w.rows / 2;
                 let ob = self.shadow_for(&mut st, m, inter);
-                if self.tiled_epilogue(m, sh.max_rank) && sh.n_slices == 2 {
-                    let smem = (2 * sh.max_rank * TILED_COLS * 2) as u32;
-                    launch!(self, self.k.silu_mul_lora_tiled, (inter.div_ceil(TILED_COLS) as u32, m.div_ceil(TILED_ROWS) as u32, 1), (THREADS as u32, 1, 1), smem = smem;
-                        buf(y), buf(out), ob, inter as i32, m as i32, t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
-                } else {
-                    launch!(self, self.k.silu_mul_lora, ((inter / 8).div_ceil(THREADS) as u32, m as u32, 1), (THREADS as u32, 1, 1);
-                        buf(y), buf(out), ob, inter as i32, t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
-                }
+                launch!(self, self.k.silu_mul_lora, ((inter / 8).div_ceil(THREADS) as u32, m as u32, 1), (THREADS as u32, 1, 1);
+                    buf(y), buf(out), ob, inter as i32, t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
                 self.set_shadow(&mut st, ob, buf(out), m * inter);
                 self.mark("silu_mul + lora expand");
             }

@@ -170,13 +170,8 @@ pub struct CudaDevice {
     gemv_lora_blocks_per_sm: usize,
     /// `QUIVER_CUDA_LORA_EPILOGUE`: 1 (the default on sm_90), qkv's and gate_up's expand in
     /// their RoPE / SiLU·mul; 2, also o_proj's and down_proj's delta in the next norm
-    /// (`lora_epilogue.rs`); 3, as 1 but the shrink beside the GEMM instead of in the norm; 0,
-    /// none of these.
+    /// (`lora_epilogue.rs`); 0, neither.
     lora_epilogue: u8,
-    /// Steps of at least this many rows take RoPE's and SiLU·mul's expand over tiles of rows
-    /// that share a staged Bᵀ (`*_lora_tiled`; `QUIVER_CUDA_LORA_EPILOGUE_TILED`, opt-in: 0,
-    /// never).
-    lora_epilogue_tiled_min_rows: usize,
     /// Long prompts' LoRA GEMMs write the delta before the base GEMM accumulates onto it
     /// (`QUIVER_CUDA_LORA_GEMM_FIRST=0`: after, accumulating): see `lora_gemm.rs`.
     lora_gemm_first: bool,

@@ -57,9 +57,6 @@ pub(super) struct Kernels {
     /// RoPE and SiLU·mul adding a LoRA expand first (`lora_epilogue.cu`).
     pub(super) rope_qk_lora: sys::CUfunction,
     pub(super) silu_mul_lora: sys::CUfunction,
-    /// The same two over tiles of rows sharing a staged Bᵀ (opt-in).
-    pub(super) rope_qk_lora_tiled: sys::CUfunction,
-    pub(super) silu_mul_lora_tiled: sys::CUfunction,
     pub(super) sample_rows: sys::CUfunction,
     pub(super) resolve_drawn: sys::CUfunction,
     pub(super) logit_edits: sys::CUfunction,
@@ -112,8 +109,6 @@ impl Kernels {
             lora_rows: [f("lora_rows_1")?, f("lora_rows_2")?, f("lora_rows_4")?, f("lora_rows_8")?],
             rope_qk_lora: f("rope_qk_lora")?,
             silu_mul_lora: f("silu_mul_lora")?,
-            rope_qk_lora_tiled: f("rope_qk_lora_tiled")?,
-            silu_mul_lora_tiled: f("silu_mul_lora_tiled")?,
             sample_rows: f("sample_rows")?,
             resolve_drawn: f("resolve_drawn")?,
             logit_edits: f("logit_edits")?,
