@@ -13,6 +13,8 @@
 #   MIXED_FRACTIONS (default "0.2 0.4 0.6 0.8 1.0"), MIXED_SECONDS per Poisson run (default 60)
 #   MIXED_VOCAB   random token ids below this (default 49000)
 #   MIXED_ARGS    extra `quiver serve` arguments (an A/B of scheduler limits)
+#   MIXED_PEAK    req/s to take as the peak instead of measuring it (an A/B of MIXED_ARGS at the
+#                 same arrival rates as a run before it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
@@ -31,13 +33,19 @@ for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; sle
 curl -sf localhost:$port/health >/dev/null || { echo "server did not come up"; tail -n 20 "$dir/serve.log"; exit 1; }
 bench() { # tag, extra args...
     local tag=$1; shift
+    rm -f "$dir/$tag.json"
     "$q" bench serve --base-url "http://127.0.0.1:$port" --model mixed --random-input-len "$in" --random-output-len "$out" \
         --random-range-ratio 0.05 --random-vocab-size "${MIXED_VOCAB:-49000}" --ignore-eos --seed 7 --no-progress \
         --output-json "$dir/$tag.json" "$@" > "$dir/$tag.log" 2>&1 || { echo "bench $tag failed"; tail -n 5 "$dir/$tag.log"; }
 }
 bench unloaded --num-prompts 8 --max-concurrency 1 --warmup-requests 1
-bench peak --num-prompts $((conc * 2)) --max-concurrency "$conc" --warmup-requests "$conc"
-peak=$(python3 -c "import json;print(json.load(open('$dir/peak.json'))['request_throughput'])" 2>/dev/null || echo 0)
+if [ -n "${MIXED_PEAK:-}" ]; then
+    peak=$MIXED_PEAK
+    python3 -c "import json;json.dump({'request_throughput': $peak, 'output_throughput': float('nan'), 'given': True}, open('$dir/peak.json', 'w'))"
+else
+    bench peak --num-prompts $((conc * 2)) --max-concurrency "$conc" --warmup-requests "$conc"
+    peak=$(python3 -c "import json;print(json.load(open('$dir/peak.json'))['request_throughput'])" 2>/dev/null || echo 0)
+fi
 python3 -c "import sys; sys.exit(0 if $peak > 0 else 1)" || { echo "the peak run completed nothing"; tail -n 5 "$dir/peak.log"; exit 1; }
 for f in ${MIXED_FRACTIONS:-0.2 0.4 0.6 0.8 1.0}; do
     rate=$(python3 -c "print(max(0.01, $peak * $f))")
@@ -52,7 +60,7 @@ base, peak = load("unloaded"), load("peak")
 if not base or not peak:
     sys.exit("missing the unloaded or the peak run")
 t0 = base["tpot_ms"]["median"]
-print(f"unloaded TPOT p50 {t0:.2f} ms; peak {peak['request_throughput']:.2f} req/s, {peak['output_throughput']:.1f} out tok/s")
+print(f"unloaded TPOT p50 {t0:.2f} ms; peak {peak['request_throughput']:.2f} req/s" + (" (given)" if peak.get("given") else f", {peak['output_throughput']:.1f} out tok/s"))
 print(f"{'load':>6}{'req/s':>8}{'out tok/s':>11}{'TPOT p50':>10}{'p99':>8}{'p99/unloaded':>14}{'TTFT p99':>10}{'failed':>7}")
 for f in fracs:
     s = load("rate-" + f)
