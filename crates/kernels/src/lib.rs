@@ -162,9 +162,10 @@ pub enum WeightData {
     Tiled(cpu::amx::TiledWeight),
     /// Host memory in column panels for the CPU GEMM: see [`cpu::panel`].
     Panels(cpu::panel::PanelWeight),
-    /// In device memory, in the given dtype.
+    /// In device memory, in the given dtype, rows `ld` elements apart (`ld ≥ cols`: columns
+    /// past `cols` are room the device keeps beside the matrix, e.g. for LoRA's B).
     #[cfg(feature = "cuda")]
-    Cuda(cuda::DevBuf, DType),
+    Cuda(cuda::DevBuf, DType, usize),
     /// In an OpenCL device's memory, in the given dtype.
     OpenCl(opencl::ClBuf, DType),
 }
@@ -192,7 +193,7 @@ impl Weight {
             WeightData::Tiled(ref t) => if t.is_f32() { DType::F32 } else { DType::Bf16 },
             WeightData::Panels(ref p) => if p.is_f32() { DType::F32 } else { DType::Bf16 },
             #[cfg(feature = "cuda")]
-            WeightData::Cuda(_, d) => d,
+            WeightData::Cuda(_, d, _) => d,
             WeightData::OpenCl(_, d) => d,
         }
     }
@@ -203,7 +204,7 @@ impl Weight {
             WeightData::Tiled(t) => t.size_bytes(),
             WeightData::Panels(p) => p.size_bytes(),
             #[cfg(feature = "cuda")]
-            WeightData::Cuda(b, _) => b.bytes(),
+            WeightData::Cuda(b, ..) => b.bytes(),
             WeightData::OpenCl(b, _) => b.bytes(),
         }
     }

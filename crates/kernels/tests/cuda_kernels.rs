@@ -134,6 +134,66 @@ fn fused_gemv_epilogues_match_cpu() {
     }
 }
 
+/// A weight with room beside its rows (`load_weight_strided`: rows `ld > cols` apart, what LoRA's
+/// B beside the rows will need) gives what the packed weight gives through every op that reads
+/// weights: the GEMV of one row (any k and k % 8 == 0, each fused epilogue), cuBLAS over several
+/// rows (bf16, the hi + lo split of small weights, f32), and the embedding gather. The same
+/// kernels run on both, so the GEMVs and the gather must agree exactly; cuBLAS may pick another
+/// algorithm for another lda, so its results get f32 rounding room.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn weights_with_room_beside_their_rows_read_the_same() {
+    let g = gpu();
+    let mut r = Rng::fresh("weight room");
+    let exact = |what: &str, a: &[f32], b: &[f32]| {
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(x.to_bits() == y.to_bits(), "{what}: element {i} is {x} with room beside the rows, {y} without");
+        }
+    };
+    for &(m, n, k) in &[(1, 577, 576), (1, 130, 67), (3, 130, 67), (1, 4099, 4096), (5, 4099, 2048), (64, 256, 512), (300, 1000, 4096), (2, 64, 1000)] {
+        for dtype in [DType::Bf16, DType::F32] {
+            for room in [8, 72] {
+                let (x, w, b) = (r.vec(m * k, 1.0), r.vec(n * k, 0.5), r.vec(n, 1.0));
+                let packed = g.load_weight(Weight::from_f32(n, k, w.clone(), dtype));
+                let roomy = g.load_weight_strided(Weight::from_f32(n, k, w, dtype), k + room);
+                let (xg, bg) = (g.tensor_from(&x), g.tensor_from(&b));
+                let (mut y0, mut y1) = (poisoned(&g, m * n), poisoned(&g, m * n));
+                g.matmul(&xg, m, &packed, Some(&bg), &mut y0);
+                g.matmul(&xg, m, &roomy, Some(&bg), &mut y1);
+                let what = format!("matmul {m}x{n}x{k} {dtype:?} room {room}");
+                let (a, b) = (host(&g, &y1, m * n), host(&g, &y0, m * n));
+                if m == 1 && dtype == DType::Bf16 {
+                    exact(&what, &a, &b);
+                } else {
+                    check(&what, &a, &b, 1e-6);
+                }
+            }
+        }
+    }
+    // The fused single-row epilogues and the embedding gather, bf16.
+    let (nh, nkv, hd, k) = (9, 3, 64, 576);
+    let n = (nh + 2 * nkv) * hd;
+    let t = rope_table(&g, hd, 4096);
+    let (x, w) = (r.vec(k, 1.0), r.vec(n * k, 0.5));
+    let packed = g.load_weight(Weight::from_f32(n, k, w.clone(), DType::Bf16));
+    let roomy = g.load_weight_strided(Weight::from_f32(n, k, w, DType::Bf16), k + 24);
+    let xg = g.tensor_from(&x);
+    let pos = [r.below(4096) as u32];
+    let (mut y0, mut y1) = (poisoned(&g, n), poisoned(&g, n));
+    g.matmul_rope_qk(&xg, 1, &packed, None, &mut y0, &pos, nh, nkv, &t);
+    g.matmul_rope_qk(&xg, 1, &roomy, None, &mut y1, &pos, nh, nkv, &t);
+    exact("gemv + rope", &host(&g, &y1, n), &host(&g, &y0, n));
+    let (mut gu0, mut gu1, mut o0, mut o1) = (poisoned(&g, n), poisoned(&g, n), poisoned(&g, n / 2), poisoned(&g, n / 2));
+    g.matmul_silu_mul(&xg, 1, &packed, &mut gu0, &mut o0);
+    g.matmul_silu_mul(&xg, 1, &roomy, &mut gu1, &mut o1);
+    exact("gemv + silu_mul", &host(&g, &o1, n / 2), &host(&g, &o0, n / 2));
+    let ids: Vec<u32> = (0..7).map(|_| r.below(n) as u32).collect();
+    let (mut e0, mut e1) = (poisoned(&g, ids.len() * k), poisoned(&g, ids.len() * k));
+    g.embedding(&packed, &ids, &mut e0);
+    g.embedding(&roomy, &ids, &mut e1);
+    exact("embedding", &host(&g, &e1, ids.len() * k), &host(&g, &e0, ids.len() * k));
+}
+
 /// Bandwidth of the single-row GEMV on the Llama-3.1-8B shapes against a device-to-device copy, in
 /// the same process (prints a table; asserts only that the numbers are finite). Three copies of
 /// each weight are rotated so a matrix that fits in L2 is not measured from L2.
@@ -184,9 +244,32 @@ fn gemv_bandwidth_vs_copy() {
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn gemm_input_copy_is_not_reused_after_a_change() {
-    let (g, c) = (gpu(), CpuDevice::new());
+    gemm_input_copy_checks(&gpu());
+}
+
+/// The shared checks again on a device that keeps room beside every weight's rows and after each
+/// row of the bf16 GEMM inputs the ops write (`with_rooms`, what LoRA's B and shrink will use):
+/// every op reads and writes both through their row strides. The checks whose GEMMs read an op's
+/// bf16 copy: a norm's (`gemm_input_copy_checks`), the attention's (the decode cases), SiLU·mul's
+/// (`norms_and_elementwise`' down projection).
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn ops_read_weights_and_gemm_inputs_through_their_row_strides() {
+    let g = gpu().with_rooms(24, 40).with_attn_gqa_min_rows(1);
+    device_kernels::matmul_matches_cpu(&g, &CUDA_TOL);
+    device_kernels::embedding_and_gather_match_cpu(&g);
+    device_kernels::norms_and_elementwise_match_cpu(&g);
+    device_kernels::paged_attention_matches_cpu(&g, &CUDA_TOL);
+    device_kernels::paged_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_CASES);
+    device_kernels::decode_attention_cases_match_cpu(&g, &CUDA_TOL, KV_HEAD_DECODE_CASES);
+    gemm_input_copy_checks(&g);
+}
+
+fn gemm_input_copy_checks(g: &CudaDevice) {
+    let c = CpuDevice::new();
     let mut r = Rng::fresh("gemm input copy");
-    let (rows, dim, n) = (5, 64, 48);
+    // A weight over the split mode's limit (16 MiB of bf16), so the GEMM reads the bf16 copy.
+    let (rows, dim, n) = (5, 2048, 4100);
     let (x, d, nw) = (r.vec(rows * dim, 2.0), r.vec(rows * dim, 3.0), r.vec(dim, 1.0));
     let w = r.vec(n * dim, 0.5);
     let (wc, wg) = (c.load_weight(Weight::from_f32(n, dim, w.clone(), DType::Bf16)), g.load_weight(Weight::from_f32(n, dim, w, DType::Bf16)));
@@ -194,7 +277,7 @@ fn gemm_input_copy_is_not_reused_after_a_change() {
     let (xc, xg) = (c.tensor_from(&x), g.tensor_from(&x));
     let (dc, dg) = (c.tensor_from(&d), g.tensor_from(&d));
     for change in ["none", "add_inplace", "upload"] {
-        let (mut oc, mut og) = (poisoned(&c, rows * dim), poisoned(&g, rows * dim));
+        let (mut oc, mut og) = (poisoned(&c, rows * dim), poisoned(g, rows * dim));
         c.rms_norm(&xc, &nc, 1e-5, rows, dim, &mut oc);
         g.rms_norm(&xg, &ng, 1e-5, rows, dim, &mut og);
         match change {
@@ -208,11 +291,28 @@ fn gemm_input_copy_is_not_reused_after_a_change() {
             }
             _ => {}
         }
-        let (mut yc, mut yg) = (poisoned(&c, rows * n), poisoned(&g, rows * n));
+        let (mut yc, mut yg) = (poisoned(&c, rows * n), poisoned(g, rows * n));
         c.matmul(&oc, rows, &wc, None, &mut yc);
         g.matmul(&og, rows, &wg, None, &mut yg);
-        check(&format!("rms_norm, {change}, matmul"), &host(&g, &yg, rows * n), &yc.as_cpu()[..rows * n], 1e-2);
+        check(&format!("rms_norm, {change}, matmul"), &host(g, &yg, rows * n), &yc.as_cpu()[..rows * n], 1e-2);
     }
+    // The other writers of a GEMM's bf16 input: add + norm, SiLU·mul (gate_up → down).
+    let (mut rc, mut rg, mut oc, mut og) = (c.tensor_from(&x), g.tensor_from(&x), poisoned(&c, rows * dim), poisoned(g, rows * dim));
+    c.add_rms_norm(&mut rc, &dc, &nc, 1e-5, rows, dim, &mut oc);
+    g.add_rms_norm(&mut rg, &dg, &ng, 1e-5, rows, dim, &mut og);
+    let (mut yc, mut yg) = (poisoned(&c, rows * n), poisoned(g, rows * n));
+    c.matmul(&oc, rows, &wc, None, &mut yc);
+    g.matmul(&og, rows, &wg, None, &mut yg);
+    check("add_rms_norm, matmul", &host(g, &yg, rows * n), &yc.as_cpu()[..rows * n], 1e-2);
+    let gu = r.vec(rows * 2 * dim, 2.0);
+    let (guc, gug) = (c.tensor_from(&gu), g.tensor_from(&gu));
+    let (mut sc, mut sg) = (poisoned(&c, rows * dim), poisoned(g, rows * dim));
+    c.silu_mul(&guc, rows, dim, &mut sc);
+    g.silu_mul(&gug, rows, dim, &mut sg);
+    let (mut yc, mut yg) = (poisoned(&c, rows * n), poisoned(g, rows * n));
+    c.matmul(&sc, rows, &wc, None, &mut yc);
+    g.matmul(&sg, rows, &wg, None, &mut yg);
+    check("silu_mul, matmul", &host(g, &yg, rows * n), &yc.as_cpu()[..rows * n], 1e-2);
 }
 
 /// q/k RMSNorm per head (Qwen3) and over the whole projections (OLMoE), v untouched.

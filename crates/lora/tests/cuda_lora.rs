@@ -83,3 +83,16 @@ fn expert_lora_past_the_grouping_bound_is_refused_naming_the_flag() {
     println!("expert LoRA past the bound refused: {err}");
     LoraManager::new(dims, cfg(64), cuda()).unwrap_or_else(|e| panic!("64 slots x 128 experts (8192 keys) refused: {e}"));
 }
+
+/// The LoRA checks again on a device that keeps room beside every weight's rows and after each
+/// row of the bf16 GEMM inputs its ops write (`CudaDevice::with_rooms`, where LoRA's B and shrink
+/// will go): the projections with their fused epilogues, the norms that also shrink, the long
+/// prompts' LoRA GEMMs, all through the row strides.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn cuda_lora_reads_weights_and_inputs_through_their_row_strides() {
+    let roomy = || -> Arc<dyn Device> { Arc::new(CudaDevice::new(0).unwrap_or_else(|e| panic!("opening cuda:0: {e:#}")).with_rooms(24, 40)) };
+    device_lora::lora_matches_cpu_reference_on_random_batches(roomy(), "cuda");
+    device_lora::projections_with_epilogues_match_cpu(roomy());
+    device_lora::norms_before_projections_match_cpu(roomy());
+}

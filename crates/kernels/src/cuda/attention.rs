@@ -10,6 +10,7 @@
 //! 21,160 tok/s at 256 rows, 7,205 → 8,281 at 64) and the first, `paged_attention_gqa_*`
 //! (`QUIVER_CUDA_ATTN_DECODE=v1`, kept for A/B runs).
 
+use super::gemm::Shadow;
 use super::*;
 
 /// Threads per block of the decode attention (at most `ATTN_WARPS` × 32 in kernels.cu): 16 warps
@@ -126,13 +127,13 @@ impl CudaDevice {
     /// `decode_attention_kv_*` over `count` rows: rows 0.. in order (`row_tiles` 0) or the first
     /// rows of the `count` prefill tiles at `row_tiles`; `i` indexes the head dim.
     #[allow(clippy::too_many_arguments)]
-    fn attention_kv(&self, i: usize, count: usize, row_tiles: u64, qkv: &Tensor, kc: u64, vc: u64, rs: u64, pp: u64, bt: u64, stride: i32, out: &Tensor, ob: u64, n_heads: usize, l: KvLayout, scale: f32) {
+    fn attention_kv(&self, i: usize, count: usize, row_tiles: u64, qkv: &Tensor, kc: u64, vc: u64, rs: u64, pp: u64, bt: u64, stride: i32, out: &Tensor, ob: Shadow, n_heads: usize, l: KvLayout, scale: f32) {
         // One block per (row, KV head), KV heads fastest, from the build for the fewest heads
         // that holds the group (1, 2, 4 or 8); the bf16 copy of the output for the o-projection
         // GEMM is written in the same pass.
         let (hd, build) = (l.head_dim, (n_heads / l.n_kv_heads).next_power_of_two().trailing_zeros() as usize);
         launch!(self, self.attn_decode.kv[build][i], ((count * l.n_kv_heads) as u32, 1, 1), ((KV_WARPS * 32) as u32, 1, 1), smem = (KV_WARPS * kv_ring_bytes(hd)) as u32;
-            buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), ob, row_tiles, n_heads as i32, l.n_kv_heads as i32, l.block_size as i32, scale);
+            buf(qkv), kc, vc, rs, pp, bt, stride, buf(out), ob.ptr, ob.ld as i32, row_tiles, n_heads as i32, l.n_kv_heads as i32, l.block_size as i32, scale);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -168,7 +169,7 @@ impl CudaDevice {
             let tp = st.meta.ptr + 4 * tiles_at as u64;
             let ob = self.shadow_for(&mut st, rows, n_heads * hd);
             launch!(self, f, ((n_tiles - singles) as u32, n_heads as u32, 1), (PREFILL_THREADS, 1, 1), smem = smem;
-                buf(qkv), kc, vc, tp, pp, bt, stride, buf(out), ob, n_heads as i32, l.n_kv_heads as i32, hd as i32, l.block_size as i32, scale);
+                buf(qkv), kc, vc, tp, pp, bt, stride, buf(out), ob.ptr, ob.ld as i32, n_heads as i32, l.n_kv_heads as i32, hd as i32, l.block_size as i32, scale);
             if let (Some(i), true) = (by_kv, singles > 0) {
                 let singles_at = tp + 4 * 3 * (n_tiles - singles) as u64;
                 self.attention_kv(i, singles, singles_at, qkv, kc, vc, rs, pp, bt, stride, out, ob, n_heads, l, scale);

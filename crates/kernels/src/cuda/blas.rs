@@ -34,14 +34,15 @@ impl Blas {
         Ok(Blas { handle })
     }
 
-    /// `y[m, n] (+)= x[m, k] · W[n, k]ᵀ` with row-major x, W, y (`accumulate` adds into y).
+    /// `y[m, n] (+)= x[m, k] · W[n, k]ᵀ` with row-major x, y and W (x's rows `x.ld` apart, W's
+    /// `w.ld`; `accumulate` adds into y).
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm_xwt(&self, op: Operand, m: usize, n: usize, k: usize, w: u64, x: u64, y: u64, accumulate: bool) -> Result<()> {
+    pub fn gemm_xwt(&self, op: Operand, m: usize, n: usize, k: usize, w: Mat, x: Mat, y: u64, accumulate: bool) -> Result<()> {
         let t = match op {
             Operand::Bf16 => cs::cudaDataType::CUDA_R_16BF,
             Operand::F32 => cs::cudaDataType::CUDA_R_32F,
         };
-        self.gemm(t, m, n, k, Mat { ptr: w, ld: k }, true, Mat { ptr: x, ld: k }, y, n, 1.0, if accumulate { 1.0 } else { 0.0 })
+        self.gemm(t, m, n, k, w, true, x, y, n, 1.0, if accumulate { 1.0 } else { 0.0 })
             .map_err(|e| anyhow::anyhow!("cublasGemmEx (m={m}, n={n}, k={k}, {op:?}): {e:?}"))
     }
 

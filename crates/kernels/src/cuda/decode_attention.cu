@@ -234,7 +234,7 @@ template <int HD, int MAXG>
 __device__ __forceinline__ void attention_kv(const float* __restrict__ qkv, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
                                              const u32* __restrict__ row_seq, const u32* __restrict__ positions,
                                              const u32* __restrict__ block_tables, int bt_stride, float* __restrict__ out,
-                                             bf16_t* __restrict__ outb, const u32* __restrict__ row_tiles, int n_heads, int n_kv, int block_size,
+                                             bf16_t* __restrict__ outb, int ldb, const u32* __restrict__ row_tiles, int n_heads, int n_kv, int block_size,
                                              float scale) {
     static_assert((MAXG == 1 || MAXG == 2 || MAXG == 4 || MAXG == 8) && (HD == 64 || HD == 128 || HD == 256), "MAXG 1, 2, 4 or 8; HD 64, 128 or 256");
     constexpr int T = KVD_KEYS(HD);          // keys a tile: 32, 16, 8
@@ -430,7 +430,7 @@ __device__ __forceinline__ void attention_kv(const float* __restrict__ qkv, cons
         }
         const float o = sum / L;
         out[at + e] = o;
-        if (outb) outb[at + e] = f2bf(o);
+        if (outb) outb[(size_t)row() * ldb + (size_t)kvh * G * HD + e] = f2bf(o);
     }
 }
 
@@ -439,8 +439,8 @@ __device__ __forceinline__ void attention_kv(const float* __restrict__ qkv, cons
     extern "C" __global__ void __launch_bounds__(KVD_WARPS * 32, 3) decode_attention_kv_##HD##_##MAXG(                                               \
         const float* __restrict__ qkv, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, const u32* __restrict__ row_seq,                   \
         const u32* __restrict__ positions, const u32* __restrict__ block_tables, int bt_stride, float* __restrict__ out, bf16_t* __restrict__ outb,      \
-        const u32* __restrict__ row_tiles, int n_heads, int n_kv, int block_size, float scale) {                                                        \
-        attention_kv<HD, MAXG>(qkv, kc, vc, row_seq, positions, block_tables, bt_stride, out, outb, row_tiles, n_heads, n_kv, block_size, scale);     \
+        int ldb, const u32* __restrict__ row_tiles, int n_heads, int n_kv, int block_size, float scale) {                                                        \
+        attention_kv<HD, MAXG>(qkv, kc, vc, row_seq, positions, block_tables, bt_stride, out, outb, ldb, row_tiles, n_heads, n_kv, block_size, scale);     \
     }
 ATTENTION_KV(64, 1)
 ATTENTION_KV(128, 1)

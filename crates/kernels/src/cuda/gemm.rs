@@ -17,6 +17,14 @@ pub(super) enum SplitGemm {
     Always,
 }
 
+/// Where an op writes the bf16 copy of a GEMM input it produces (`shadow_for`): the address
+/// (0: none) and the copy's row stride in elements.
+#[derive(Clone, Copy)]
+pub(super) struct Shadow {
+    pub ptr: u64,
+    pub ld: usize,
+}
+
 /// A weight counts as small for [`SplitGemm::Small`] up to this many bytes (read twice; at this
 /// size the second read hits L2).
 pub(super) const SPLIT_MAX_WEIGHT_BYTES: usize = 16 << 20;
@@ -70,9 +78,9 @@ impl CudaDevice {
     /// [`Self::gemv1`], computing the LoRA delta `lora` itself (shrink and expand) and adding it
     /// to each output before the epilogue (gemv.cu: `GemvLora`).
     fn gemv1_with(&self, w: &Weight, x: &Tensor, bias: Option<&Tensor>, y: &mut Tensor, epilogue: Gemv1Epilogue<'_>, lora: Option<&GemvLoraArgs>) {
-        let WeightData::Cuda(wb, DType::Bf16) = &w.data else { panic!("gemv1 takes a bf16 device weight") };
-        let (n, k) = (w.rows, w.cols);
-        debug_assert!(k.is_multiple_of(8));
+        let WeightData::Cuda(wb, DType::Bf16, ldw) = &w.data else { panic!("gemv1 takes a bf16 device weight") };
+        let (n, k, ldw) = (w.rows, w.cols, *ldw);
+        debug_assert!(k.is_multiple_of(8) && ldw.is_multiple_of(8));
         let pick = |plain, with_lora| if lora.is_some() { with_lora } else { plain };
         let (f, warps, extra, head_dim, max_pos, pos, cos, sin) = match epilogue {
             Gemv1Epilogue::Plain => (pick(self.k.gemv1_bf16, self.k.gemv1_lora_bf16), n.div_ceil(2), 0, 0, 0, 0, 0, 0),
@@ -92,10 +100,10 @@ impl CudaDevice {
         let (grid, block) = ((blocks as u32, 1, 1), (32 * GEMV1_WARPS_PER_BLOCK as u32, 1, 1));
         let (xp, bp, yp) = (buf(x), bias.map(buf).unwrap_or(0), buf(y));
         match lora {
-            None => launch!(self, f, grid, block; xp, wb.ptr, bp, yp, n as i32, k as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin),
+            None => launch!(self, f, grid, block; xp, wb.ptr, bp, yp, n as i32, k as i32, ldw as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin),
             Some(l) => {
                 let (s, sh) = (&l.site, &l.site.shape);
-                launch!(self, f, grid, block; xp, wb.ptr, bp, yp, n as i32, k as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin,
+                launch!(self, f, grid, block; xp, wb.ptr, bp, yp, n as i32, k as i32, ldw as i32, extra as i32, head_dim as i32, max_pos as i32, pos, cos, sin,
                     l.t, s.a, s.b, s.gp, s.ranks, s.scal, l.ctr, s.cap as i32, sh.n_slices as i32, sh.max_rank as i32, sh.b_ld as i32,
                     s.off(1) as i32, s.off(2) as i32, l.gy as i32, l.splits as i32, l.kc as i32, l.ahead as i32)
             }
@@ -233,7 +241,7 @@ impl CudaDevice {
 
     /// Whether a fused single-row GEMV applies: one row, a bf16 weight, `k % 8 == 0`.
     pub(super) fn gemv1_fits(&self, m: usize, w: &Weight) -> bool {
-        self.fuse_epilogues && m == 1 && w.cols.is_multiple_of(8) && matches!(w.data, WeightData::Cuda(_, DType::Bf16))
+        self.fuse_epilogues && m == 1 && w.cols.is_multiple_of(8) && matches!(w.data, WeightData::Cuda(_, DType::Bf16, ld) if ld.is_multiple_of(8))
     }
 
     /// Whether a multi-row bf16 GEMM over an `n × k` weight takes the hi + lo split of its input.
@@ -252,51 +260,64 @@ impl CudaDevice {
         }
     }
 
-    /// Where an op producing a `rows × cols` GEMM input `out` also writes its bf16 copy, or null
-    /// when the consuming matmul will not be a plain cuBLAS bf16 GEMM (single rows take the GEMV;
-    /// the split mode converts itself). Call `set_shadow` after launching the producer.
-    pub(super) fn shadow_for(&self, st: &mut State, rows: usize, cols: usize) -> u64 {
+    /// Where an op producing a `rows × cols` GEMM input `out` also writes its bf16 copy (null
+    /// when the consuming matmul will not be a plain cuBLAS bf16 GEMM: single rows take the GEMV;
+    /// the split mode converts itself), and that copy's row stride. Call `set_shadow` after
+    /// launching the producer.
+    pub(super) fn shadow_for(&self, st: &mut State, rows: usize, cols: usize) -> Shadow {
+        let ld = cols + self.input_room;
         if rows <= GEMV_MAX_M || self.split_gemm == SplitGemm::Always {
-            return 0;
+            return Shadow { ptr: 0, ld };
         }
-        self.grow(&mut st.xbf, rows * cols * 2);
-        st.xbf.ptr
+        self.grow(&mut st.xbf, rows * ld * 2);
+        Shadow { ptr: st.xbf.ptr, ld }
     }
 
-    /// The bf16 copy of a GEMM's input `x` (`len` floats) in the input scratch: the producer's
-    /// copy if nothing has run since it was written, else converted now.
-    pub(super) fn bf16_input(&self, x: &Tensor, len: usize) -> u64 {
+    /// The bf16 copy of a GEMM's `m × k` input `x` in the input scratch: the producer's copy
+    /// (rows as far apart as it wrote them) if nothing has run since it was written, else
+    /// converted now (rows `k` apart).
+    pub(super) fn bf16_input(&self, x: &Tensor, m: usize, k: usize) -> blas::Mat {
         let mut st = self.state.lock().unwrap();
         let touches = self.touches.load(std::sync::atomic::Ordering::Relaxed);
-        if st.shadow.take() != Some((buf(x), len, touches)) {
-            self.grow(&mut st.xbf, len * 2);
-            launch!(self, self.k.f32_to_bf16, grid1(len, 256), (256, 1, 1); buf(x), st.xbf.ptr, len as i64);
-            self.mark("matmul input to bf16");
+        match st.shadow.take() {
+            Some((p, len, n, ld)) if (p, len, n) == (buf(x), m * k, touches) => blas::Mat { ptr: st.xbf.ptr, ld },
+            _ => {
+                self.grow(&mut st.xbf, m * k * 2);
+                launch!(self, self.k.f32_to_bf16, grid1(m * k, 256), (256, 1, 1); buf(x), st.xbf.ptr, (m * k) as i64);
+                self.mark("matmul input to bf16");
+                blas::Mat { ptr: st.xbf.ptr, ld: k }
+            }
         }
-        st.xbf.ptr
     }
 
-    pub(super) fn set_shadow(&self, st: &mut State, outb: u64, out: u64, len: usize) {
-        st.shadow = (outb != 0).then(|| (out, len, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
+    pub(super) fn set_shadow(&self, st: &mut State, ob: Shadow, out: u64, len: usize) {
+        st.shadow = (ob.ptr != 0).then(|| (out, len, self.touches.load(std::sync::atomic::Ordering::Relaxed), ob.ld));
     }
 
     pub(super) fn matmul_impl(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor) {
+        self.matmul_input(x, m, w, bias, y);
+    }
+
+    /// [`Self::matmul_impl`], returning where a bf16 GEMM found x in bf16 (the LoRA GEMMs that
+    /// follow read it there), None for the GEMVs and f32 weights.
+    pub(super) fn matmul_input(&self, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor) -> Option<blas::Mat> {
         self.bind();
         if m == 0 {
-            return;
+            return None;
         }
         let (k, n) = (w.cols, w.rows);
-        let WeightData::Cuda(wb, dtype) = &w.data else { panic!("CUDA matmul given a host weight (load it with Device::load_weight)") };
-        match dtype {
+        let WeightData::Cuda(wb, dtype, ldw) = &w.data else { panic!("CUDA matmul given a host weight (load it with Device::load_weight)") };
+        let wm = blas::Mat { ptr: wb.ptr, ld: *ldw };
+        let input = match dtype {
             DType::Bf16 if m <= GEMV_MAX_M => {
-                if k.is_multiple_of(8) {
+                if k.is_multiple_of(8) && ldw.is_multiple_of(8) {
                     self.gemv1(w, x, bias, y, Gemv1Epilogue::Plain);
                 } else {
                     let bp = bias.map(buf).unwrap_or(0);
-                    launch!(self, self.k.gemv_bf16_any_k, (n.div_ceil(8) as u32, 1, 1), (256, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32);
+                    launch!(self, self.k.gemv_bf16_any_k, (n.div_ceil(8) as u32, 1, 1), (256, 1, 1); buf(x), wb.ptr, bp, buf(y), n as i32, k as i32, *ldw as i32);
                 }
                 self.mark("matmul gemv");
-                return;
+                return None;
             }
             DType::Bf16 if self.splits(n, k) => {
                 let mut st = self.state.lock().unwrap();
@@ -305,25 +326,30 @@ impl CudaDevice {
                 launch!(self, self.k.f32_to_bf16_split, grid1(m * k, 256), (256, 1, 1); buf(x), hi, lo, (m * k) as i64);
                 self.mark("matmul input to bf16");
                 self.touch();
-                let e1 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, hi, buf(y), false);
-                let e2 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, lo, buf(y), true);
+                let (xh, xl) = (blas::Mat { ptr: hi, ld: k }, blas::Mat { ptr: lo, ld: k });
+                let e1 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wm, xh, buf(y), false);
+                let e2 = self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wm, xl, buf(y), true);
                 e1.and(e2).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+                Some(xh)
             }
             DType::Bf16 => {
-                let xb = self.bf16_input(x, m * k);
+                let xb = self.bf16_input(x, m, k);
                 self.touch();
-                self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, xb, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+                self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wm, xb, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+                Some(xb)
             }
             DType::F32 => {
                 self.touch();
-                self.blas.gemm_xwt(blas::Operand::F32, m, n, k, wb.ptr, buf(x), buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+                self.blas.gemm_xwt(blas::Operand::F32, m, n, k, wm, blas::Mat { ptr: buf(x), ld: k }, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+                None
             }
-        }
+        };
         self.mark("matmul cublas");
         if let Some(b) = bias {
             launch!(self, self.k.add_bias, grid1(m * n, 256), (256, 1, 1); buf(y), buf(b), n as i32, (m * n) as i64);
             self.mark("bias");
         }
+        input
     }
 
     pub(super) fn matmul_silu_mul_impl(&self, x: &Tensor, m: usize, w: &Weight, gate_up: &mut Tensor, out: &mut Tensor) {
@@ -373,7 +399,7 @@ impl CudaDevice {
         let mut st = self.state.lock().unwrap();
         let ob = self.shadow_for(&mut st, rows, inter);
         let items = if inter.is_multiple_of(4) { rows * inter / 4 } else { rows * inter };
-        launch!(self, self.k.silu_mul, grid1(items, 256), (256, 1, 1); buf(gate_up), delta, buf(out), ob, inter as i32, (rows * inter) as i64);
+        launch!(self, self.k.silu_mul, grid1(items, 256), (256, 1, 1); buf(gate_up), delta, buf(out), ob.ptr, inter as i32, ob.ld as i32, (rows * inter) as i64);
         self.set_shadow(&mut st, ob, buf(out), rows * inter);
         self.mark("silu_mul");
     }

@@ -4,17 +4,18 @@
 // are in scope.
 
 // ---- small-M GEMV: y[m, n] = x[m, :] · W[n, :] (+ bias[n]) for M ≤ 8 rows, bf16 W, any k ---------
+// (Both GEMVs read W's rows `ldw ≥ k` elements apart: a weight may keep room beside its rows.)
 // Decode is bandwidth-bound on W: one warp per output column streams its W row once with 16-byte
 // loads and applies it to all M input rows (f32, read through the cache), so W is read once per
 // step whatever M is. Each (m, n) accumulates in the same order for every M, so a row's result
 // does not depend on which other rows share the step.
 template <int M>
 __device__ __forceinline__ void gemv_bf16_impl(const float* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias,
-                                               float* __restrict__ y, int n, int k) {
+                                               float* __restrict__ y, int n, int k, int ldw) {
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (row >= n) return;
-    const bf16_t* wr = w + (size_t)row * k;
+    const bf16_t* wr = w + (size_t)row * ldw;
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; m++) acc[m] = 0.f;
@@ -49,7 +50,7 @@ __device__ __forceinline__ void gemv_bf16_impl(const float* __restrict__ x, cons
 }
 
 #define GEMV(M) \
-    extern "C" __global__ void gemv_bf16_##M(const float* x, const bf16_t* w, const float* bias, float* y, int n, int k) { pdl_entry(); gemv_bf16_impl<M>(x, w, bias, y, n, k); }
+    extern "C" __global__ void gemv_bf16_##M(const float* x, const bf16_t* w, const float* bias, float* y, int n, int k, int ldw) { pdl_entry(); gemv_bf16_impl<M>(x, w, bias, y, n, k, ldw); }
 GEMV(1) // the fallback for k % 8 != 0 (gemv1_bf16 below handles the rest)
 
 
@@ -199,7 +200,7 @@ __device__ __forceinline__ void gemv_lora_piece(const float* __restrict__ x, int
 
 template <int MODE, bool LORA>
 __device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias,
-                                           float* __restrict__ y, int n, int k, const GemvEpilogue& e, const GemvLora& L) {
+                                           float* __restrict__ y, int n, int k, int ldw, const GemvEpilogue& e, const GemvLora& L) {
     __shared__ uint4 ring[GV_WARPS][GV_STAGES][GV_ROWS][GV_U][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // Without LoRA a warp computes one pair of outputs. With it the grid is at most what fits
@@ -227,7 +228,7 @@ __device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf
     };
     auto start = [&]() {
 #pragma unroll
-        for (int r = 0; r < GV_ROWS; r++) wr[r] = reinterpret_cast<const uint4*>(w + (size_t)rows[r] * k);
+        for (int r = 0; r < GV_ROWS; r++) wr[r] = reinterpret_cast<const uint4*>(w + (size_t)rows[r] * ldw);
 #pragma unroll
         for (int s = 0; s < GV_STAGES - 1; s++) issue(s);
     };
@@ -345,11 +346,11 @@ __device__ __forceinline__ void gemv1_body(const float* __restrict__ x, const bf
 #define GEMV1_KERNEL(NAME, MODE)                                                                                                             \
     extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                                                              \
         NAME(const float* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias, float* __restrict__ y, int n, int k, \
-             int inter_or_heads_qk, int head_dim, int max_pos,                                                                               \
+             int ldw, int inter_or_heads_qk, int head_dim, int max_pos,                                                                      \
              const u32* __restrict__ pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t) {                                \
         const GemvEpilogue e = {inter_or_heads_qk, inter_or_heads_qk, head_dim, max_pos, pos, cos_t, sin_t};                                 \
         const GemvLora L = {};                                                                                                                \
-        gemv1_body<MODE, false>(x, w, bias, y, n, k, e, L);                                                                                   \
+        gemv1_body<MODE, false>(x, w, bias, y, n, k, ldw, e, L);                                                                              \
     }
 GEMV1_KERNEL(gemv1_bf16, GV_PLAIN)
 GEMV1_KERNEL(gemv1_silu_bf16, GV_SILU)
@@ -358,13 +359,13 @@ GEMV1_KERNEL(gemv1_rope_bf16, GV_ROPE)
 #define GEMV1_LORA_KERNEL(NAME, MODE)                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                                                              \
         NAME(const float* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias, float* __restrict__ y, int n, int k, \
-             int inter_or_heads_qk, int head_dim, int max_pos,                                                                               \
+             int ldw, int inter_or_heads_qk, int head_dim, int max_pos,                                                                      \
              const u32* __restrict__ pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t,                                  \
              float* lt, const bf16_t* lA, const bf16_t* lB, const u32* lG, const u32* lranks, const float* lscal, u32* lctr,                 \
              int lC, int ln_slices, int lR, int lb_ld, int loff1, int loff2, int lgy, int lsplits, int lkc, int lahead) {                    \
         const GemvEpilogue e = {inter_or_heads_qk, inter_or_heads_qk, head_dim, max_pos, pos, cos_t, sin_t};                                 \
         const GemvLora L = {lt, lA, lB, lG, lranks, lscal, lctr, lC, ln_slices, lR, lb_ld, loff1, loff2, lgy, lsplits, lkc, lahead};         \
-        gemv1_body<MODE, true>(x, w, bias, y, n, k, e, L);                                                                                    \
+        gemv1_body<MODE, true>(x, w, bias, y, n, k, ldw, e, L);                                                                              \
     }
 GEMV1_LORA_KERNEL(gemv1_lora_bf16, GV_PLAIN)
 GEMV1_LORA_KERNEL(gemv1_lora_silu_bf16, GV_SILU)

@@ -184,9 +184,17 @@ impl CudaDevice {
             attn_gqa_min_rows,
             attn_decode,
             lora_gemm_first: std::env::var_os("QUIVER_CUDA_LORA_GEMM_FIRST").is_none_or(|v| v != "0"),
+            weight_room: room("QUIVER_CUDA_WEIGHT_ROOM"),
+            input_room: room("QUIVER_CUDA_INPUT_ROOM"),
             draw_source: None,
             tp_agree: Default::default(),
             gpu_share: 1,
         })
     }
+}
+
+/// Columns of room from environment variable `var` (a test setting, `QUIVER_CUDA_*_ROOM`), rounded
+/// up to 8 so rows stay 16-byte aligned; 0 when unset or not a number.
+fn room(var: &str) -> usize {
+    std::env::var(var).ok().and_then(|v| v.parse::<usize>().ok()).map_or(0, |c| c.next_multiple_of(8))
 }

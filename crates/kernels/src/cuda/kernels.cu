@@ -79,8 +79,9 @@ extern "C" __global__ void add_inplace(float* __restrict__ a, const float* __res
 
 // One block per row.
 // The table holds vocab rows `start..start + rows` (the whole vocabulary, or a tensor-parallel
-// rank's shard); a token outside them gets a zero row (the ranks' rows are summed next).
-extern "C" __global__ void embedding_bf16(const bf16_t* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim, u32 start, u32 rows) {
+// rank's shard), `ld` elements apart; a token outside them gets a zero row (the ranks' rows are
+// summed next).
+extern "C" __global__ void embedding_bf16(const bf16_t* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim, int ld, u32 start, u32 rows) {
     pdl_entry();
     const u32 r = ids[blockIdx.x] - start;
     float* dst = out + (size_t)blockIdx.x * dim;
@@ -88,11 +89,11 @@ extern "C" __global__ void embedding_bf16(const bf16_t* __restrict__ table, cons
         for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = 0.f;
         return;
     }
-    const bf16_t* src = table + (size_t)r * dim;
+    const bf16_t* src = table + (size_t)r * ld;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = bf2f(src[i]);
 }
 
-extern "C" __global__ void embedding_f32(const float* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim, u32 start, u32 rows) {
+extern "C" __global__ void embedding_f32(const float* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out, int dim, int ld, u32 start, u32 rows) {
     pdl_entry();
     const u32 r = ids[blockIdx.x] - start;
     float* dst = out + (size_t)blockIdx.x * dim;
@@ -100,7 +101,7 @@ extern "C" __global__ void embedding_f32(const float* __restrict__ table, const 
         for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = 0.f;
         return;
     }
-    const float* src = table + (size_t)r * dim;
+    const float* src = table + (size_t)r * ld;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = src[i];
 }
 
@@ -113,6 +114,8 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* _
 
 // Ops whose output feeds a cuBLAS GEMM take `outb` (or null): a bf16 copy of `out` written in the
 // same pass, so the GEMM needs no separate f32 → bf16 conversion of its input (mod.rs: `shadow`).
+// Its rows are `ldb` elements apart (`ldb` ≥ the row's width: room after each row for columns the
+// GEMM reads beside it, e.g. LoRA's shrink; docs/lora-in-the-gemm.md).
 
 // Four floats as bf16 into 8 bytes.
 __device__ __forceinline__ void store_bf16x4(bf16_t* p, float4 v) {
@@ -148,7 +151,7 @@ __device__ __forceinline__ void rms_finish(const float* x, const float* __restri
 
 // out = x / sqrt(mean(x²) + eps) * w, one block per row; 16-byte accesses when dim % 4 == 0
 // (the host gives a block up to one thread per 4 elements, so a decode row is one load each).
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, int dim, float eps) {
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, int dim, int ldb, float eps) {
     pdl_entry();
     __shared__ float sh[33];
     const size_t base = (size_t)blockIdx.x * dim;
@@ -162,12 +165,12 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     } else {
         for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = x[base + i]; s += v * v; }
     }
-    rms_finish(x + base, w, out + base, outb ? outb + base : nullptr, dim, eps, s, sh);
+    rms_finish(x + base, w, out + base, outb ? outb + (size_t)blockIdx.x * ldb : nullptr, dim, eps, s, sh);
 }
 
 // resid += delta; out = rmsnorm(resid) * w. Each thread rereads only the elements it wrote.
 extern "C" __global__ void add_rms_norm(float* __restrict__ resid, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out,
-                                        bf16_t* __restrict__ outb, int dim, float eps) {
+                                        bf16_t* __restrict__ outb, int dim, int ldb, float eps) {
     pdl_entry();
     __shared__ float sh[33];
     const size_t base = (size_t)blockIdx.x * dim;
@@ -185,7 +188,7 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ resid, const float* 
     } else {
         for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = resid[base + i] + delta[base + i]; resid[base + i] = v; s += v * v; }
     }
-    rms_finish(resid + base, w, out + base, outb ? outb + base : nullptr, dim, eps, s, sh);
+    rms_finish(resid + base, w, out + base, outb ? outb + (size_t)blockIdx.x * ldb : nullptr, dim, eps, s, sh);
 }
 
 // Rotate-half RoPE on the q and k heads of each fused qkv row. One block per row; threads
@@ -221,7 +224,7 @@ __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f 
 // `delta` (a LoRA delta of gu computed beside the projection, or null) gate and up get theirs
 // first.
 __device__ __forceinline__ float4 add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
-extern "C" __global__ void silu_mul(const float* __restrict__ gu, const float* __restrict__ delta, float* __restrict__ out, bf16_t* __restrict__ outb, int inter, long n) {
+extern "C" __global__ void silu_mul(const float* __restrict__ gu, const float* __restrict__ delta, float* __restrict__ out, bf16_t* __restrict__ outb, int inter, int ldb, long n) {
     pdl_entry();
     if ((inter & 3) == 0) {
         const int q = inter / 4;
@@ -235,7 +238,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gu, const float* _
             if (d4) g = add4(g, d4[r * 2 * q + i]), u = add4(u, d4[r * 2 * q + q + i]);
             const float4 v = make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
             o4[idx] = v;
-            if (outb) store_bf16x4(outb + 4 * idx, v);
+            if (outb) store_bf16x4(outb + r * ldb + 4 * i, v);
         }
         return;
     }
@@ -245,7 +248,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gu, const float* _
         const size_t gi = r * 2 * inter + i, ui = gi + inter;
         const float v = silu_times(gu[gi] + (delta ? delta[gi] : 0.f), gu[ui] + (delta ? delta[ui] : 0.f));
         out[idx] = v;
-        if (outb) outb[idx] = f2bf(v);
+        if (outb) outb[r * ldb + i] = f2bf(v);
     }
 }
 

@@ -304,9 +304,9 @@ impl CudaDevice {
     /// work, which never writes a GEMM input.
     fn keep_shadow_from(&self, before: u64) {
         let mut st = self.state.lock().unwrap();
-        if let Some((p, len, n)) = st.shadow {
+        if let Some((p, len, n, ld)) = st.shadow {
             if n == before {
-                st.shadow = Some((p, len, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
+                st.shadow = Some((p, len, self.touches.load(std::sync::atomic::Ordering::Relaxed), ld));
             }
         }
     }

@@ -64,7 +64,7 @@ __device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
 
 template <int LAH_CPL, bool PREV>
 __device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w,
-                                                     float* __restrict__ out, bf16_t* __restrict__ outb, int dim, float eps,
+                                                     float* __restrict__ out, bf16_t* __restrict__ outb, int dim, int ldb, float eps,
                                                      const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks,
                                                      int n_slices, int R, float* __restrict__ t,
                                                      const float* __restrict__ xp, int in_p, const bf16_t* __restrict__ Ap, const bf16_t* __restrict__ Btp,
@@ -185,7 +185,7 @@ __device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, cons
         const float4 wv = reinterpret_cast<const float4*>(w + k0)[i];
         const float4 o = make_float4((v.x * inv) * wv.x, (v.y * inv) * wv.y, (v.z * inv) * wv.z, (v.w * inv) * wv.w);
         reinterpret_cast<float4*>(out + base)[i] = o;
-        if (outb) store_bf16x4(outb + base + 4 * i, o);
+        if (outb) store_bf16x4(outb + (size_t)r * ldb + k0 + 4 * i, o);
     }
     for (int j = q + LAH_CL * threadIdx.x; j < nr; j += LAH_CL * blockDim.x) {
         float s = 0.f;
@@ -199,17 +199,19 @@ __device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, cons
 #define RMS_NORM_SHRINK(CPL)                                                                                                                    \
     extern "C" __global__ void __launch_bounds__(LAH_THREADS, LAH_MIN_BLOCKS) rms_norm_shrink_##CPL(                                                             \
         float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, \
-        int dim, float eps, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, int n_slices, int R,  \
+        int dim, int ldb, float eps, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, int n_slices, \
+        int R,                                                                                                                                   \
         float* __restrict__ t) {                                                                                                                \
-        rms_norm_shrink_body<CPL, false>(x, delta, w, out, outb, dim, eps, A, G, C, ranks, n_slices, R, t, nullptr, 0, nullptr, nullptr, nullptr, \
+        rms_norm_shrink_body<CPL, false>(x, delta, w, out, outb, dim, ldb, eps, A, G, C, ranks, n_slices, R, t, nullptr, 0, nullptr, nullptr, nullptr, \
                                          nullptr, 0, 0);                                                                                        \
     }                                                                                                                                           \
     extern "C" __global__ void __launch_bounds__(LAH_THREADS, LAH_MIN_BLOCKS) rms_norm_lora2_##CPL(                                                             \
         float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, \
-        int dim, float eps, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, int n_slices, int R,  \
+        int dim, int ldb, float eps, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, int n_slices, \
+        int R,                                                                                                                                   \
         float* __restrict__ t, const float* __restrict__ xp, int in_p, const bf16_t* __restrict__ Ap, const bf16_t* __restrict__ Btp,           \
         const u32* __restrict__ ranks_p, const float* __restrict__ scal_p, int R_p, int b_ld_p) {                                                \
-        rms_norm_shrink_body<CPL, true>(x, delta, w, out, outb, dim, eps, A, G, C, ranks, n_slices, R, t, xp, in_p, Ap, Btp, ranks_p, scal_p,    \
+        rms_norm_shrink_body<CPL, true>(x, delta, w, out, outb, dim, ldb, eps, A, G, C, ranks, n_slices, R, t, xp, in_p, Ap, Btp, ranks_p, scal_p,    \
                                         R_p, b_ld_p);                                                                                           \
     }
 RMS_NORM_SHRINK(1)

@@ -96,11 +96,11 @@ impl CudaDevice {
         let dp = delta.map(buf).unwrap_or(0);
         match deferred {
             None => launch!(self, self.k.rms_norm_shrink[fi], (rows as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
-                buf(x), dp, buf(w), buf(out), ob, dim as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr),
+                buf(x), dp, buf(w), buf(out), ob.ptr, dim as i32, ob.ld as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr),
             Some(d) => {
                 let p = d.site;
                 launch!(self, self.k.rms_norm_lora2[fi], (rows as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
-                    buf(x), dp, buf(w), buf(out), ob, dim as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr,
+                    buf(x), dp, buf(w), buf(out), ob.ptr, dim as i32, ob.ld as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr,
                     d.x, p.shape.in_dim as i32, p.a, p.b, p.ranks, p.scal, p.shape.max_rank as i32, p.shape.b_ld as i32)
             }
         }

@@ -70,15 +70,15 @@ __device__ __forceinline__ void lep_store8(float* p, const float* v) {
     reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-// SiLU(g)·u of 8 columns into out (and its bf16 copy outb, when given) at element o.
-__device__ __forceinline__ void lep_silu_store8(const float* gv, const float* uv, float* __restrict__ out, bf16_t* __restrict__ outb, size_t o) {
+// SiLU(g)·u of 8 columns into out at element o (and its bf16 copy into outb, when given, at ob).
+__device__ __forceinline__ void lep_silu_store8(const float* gv, const float* uv, float* __restrict__ out, bf16_t* __restrict__ outb, size_t o, size_t ob) {
     float v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = silu_times(gv[e], uv[e]);
     lep_store8(out + o, v);
     if (outb) {
-        store_bf16x4(outb + o, make_float4(v[0], v[1], v[2], v[3]));
-        store_bf16x4(outb + o + 4, make_float4(v[4], v[5], v[6], v[7]));
+        store_bf16x4(outb + ob, make_float4(v[0], v[1], v[2], v[3]));
+        store_bf16x4(outb + ob + 4, make_float4(v[4], v[5], v[6], v[7]));
     }
 }
 
@@ -146,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) rope_q
 
 // silu_mul (kernels.cu) with the delta of gate and up: grid (inter / 8 / LEP_THREADS, rows),
 // inter % 8 == 0, b_ld % 8 == 0. outb (the down projection's bf16 input, or null) as silu_mul.
-extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_mul_lora(const float* __restrict__ gu, float* __restrict__ out, bf16_t* __restrict__ outb, int inter,
+extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_mul_lora(const float* __restrict__ gu, float* __restrict__ out, bf16_t* __restrict__ outb, int inter, int ldb,
         const float* __restrict__ t, const bf16_t* __restrict__ Bt, const u32* __restrict__ G, int C, const u32* __restrict__ ranks,
         const float* __restrict__ scal, int n_slices, int R, int b_ld, int off1, int off2) {
     __shared__ float coef[LEP_MAX_W];
@@ -168,5 +168,5 @@ extern "C" __global__ void __launch_bounds__(LEP_THREADS, LEP_MIN_BLOCKS) silu_m
 #pragma unroll
         for (int e = 0; e < 8; ++e) gv[e] += dg[e], uv[e] += du[e];
     }
-    lep_silu_store8(gv, uv, out, outb, (size_t)r * inter + i0);
+    lep_silu_store8(gv, uv, out, outb, (size_t)r * inter + i0, (size_t)r * ldb + i0);
 }

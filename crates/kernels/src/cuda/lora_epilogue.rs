@@ -96,7 +96,7 @@ impl CudaDevice {
                 let inter = w.rows / 2;
                 let ob = self.shadow_for(&mut st, m, inter);
                 launch!(self, self.k.silu_mul_lora, ((inter / 8).div_ceil(THREADS) as u32, m as u32, 1), (THREADS as u32, 1, 1);
-                    buf(y), buf(out), ob, inter as i32, t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
+                    buf(y), buf(out), ob.ptr, inter as i32, ob.ld as i32, t, site.b, site.gp, cap, site.ranks, site.scal, n_slices, r, b_ld, off1, off2);
                 self.set_shadow(&mut st, ob, buf(out), m * inter);
                 self.mark("silu_mul + lora expand");
             }

@@ -26,7 +26,7 @@ impl CudaDevice {
     pub(super) fn lora_gemm_fits(&self, call: &LoraCall<'_>, m: usize, w: &Weight) -> bool {
         m > GEMV_MAX_M
             && !self.recording.load(std::sync::atomic::Ordering::Relaxed)
-            && matches!(w.data, WeightData::Cuda(_, DType::Bf16))
+            && matches!(w.data, WeightData::Cuda(_, DType::Bf16, _))
             && call.groups.adapter_rows >= GEMM_MIN_RUN
             && for_runs(call, |_, _, _| {})
     }
@@ -42,18 +42,18 @@ impl CudaDevice {
         let (n, k) = (w.rows, w.cols);
         let covered = call.groups.adapter_rows == m && !self.splits(n, k) && self.lora_gemm_first;
         if !covered {
-            self.matmul_impl(x, m, w, bias, y);
-            let tb = self.lora_gemm_shrink(call, m);
+            let xb = self.matmul_input(x, m, w, bias, y).expect("lora_gemm_fits takes bf16 weights past the GEMV's rows");
+            let tb = self.lora_gemm_shrink(call, m, xb);
             return self.lora_gemm_expand(call, m, tb, buf(y), 1.0);
         }
-        let WeightData::Cuda(wb, DType::Bf16) = &w.data else { unreachable!("lora_gemm_fits takes bf16 weights") };
+        let WeightData::Cuda(wb, DType::Bf16, ldw) = &w.data else { unreachable!("lora_gemm_fits takes bf16 weights") };
         self.bind();
         // x in bf16 for the shrink and the base GEMM.
-        let xb = self.bf16_input(x, m * k);
-        let tb = self.lora_gemm_shrink(call, m);
+        let xb = self.bf16_input(x, m, k);
+        let tb = self.lora_gemm_shrink(call, m, xb);
         self.lora_gemm_expand(call, m, tb, buf(y), 0.0);
         self.touch();
-        self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wb.ptr, xb, buf(y), true).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+        self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, Mat { ptr: wb.ptr, ld: *ldw }, xb, buf(y), true).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
         self.mark("matmul cublas onto the lora delta");
         if let Some(b) = bias {
             launch!(self, self.k.add_bias, grid1(m * n, 256), (256, 1, 1); buf(y), buf(b), n as i32, (m * n) as i64);
@@ -61,18 +61,17 @@ impl CudaDevice {
         }
     }
 
-    /// The shrink GEMMs of `call`'s runs from the bf16 copy of x in the input shadow buffer:
+    /// The shrink GEMMs of `call`'s runs from `xb`, the bf16 copy of x the base GEMM read:
     /// `t` (f32, `m × n·R`), and its bf16 copy (the expand GEMMs' operand), whose address it
     /// returns.
-    fn lora_gemm_shrink(&self, call: &LoraCall<'_>, m: usize) -> u64 {
+    fn lora_gemm_shrink(&self, call: &LoraCall<'_>, m: usize, xb: Mat) -> u64 {
         let sh = *call.shape();
         let (w, k) = (sh.shrink_width(), sh.in_dim);
         let a = dev_buf(&call.buffers.a).ptr;
         let ranks = call.table.ranks_at(call.entry);
         let mut st = self.state.lock().unwrap();
         self.grow(&mut st.lora_t, m * w * 6);
-        assert!(st.xbf.bytes >= m * k * 2, "LoRA GEMMs without the bf16 copy of their input");
-        let (xb, t) = (st.xbf.ptr, st.lora_t.ptr);
+        let t = st.lora_t.ptr;
         let tb = t + (m * w * 4) as u64;
         drop(st);
         self.touch();
@@ -80,7 +79,7 @@ impl CudaDevice {
             let r = ranks[slot] as usize;
             if r > 0 {
                 let aw = Mat { ptr: a + ((slot * w * k) * 2) as u64, ld: k };
-                let xr = Mat { ptr: xb + (r0 * k * 2) as u64, ld: k };
+                let xr = Mat { ptr: xb.ptr + (r0 * xb.ld * 2) as u64, ld: xb.ld };
                 self.blas.gemm_strided(len, sh.n_slices * r, k, aw, true, xr, t + (r0 * w * 4) as u64, w, 1.0, 0.0).unwrap_or_else(|e| self.gemm_failed(e));
             }
         });

@@ -83,10 +83,11 @@ struct State {
     single_tiles: usize,
     side: DevBuf,
     xbf: DevBuf,
-    /// `(f32 tensor, elements, touch count)`: `xbf` holds the bf16 copy of that tensor, written by
-    /// the op that produced it, valid while nothing else has run on the device since (`touches`
-    /// unchanged). A cuBLAS GEMM on exactly that input then skips its conversion.
-    shadow: Option<(u64, usize, u64)>,
+    /// `(f32 tensor, elements, touch count, row stride)`: `xbf` holds the bf16 copy of that
+    /// tensor (rows that far apart), written by the op that produced it, valid while nothing else
+    /// has run on the device since (`touches` unchanged). A cuBLAS GEMM on exactly that input then
+    /// skips its conversion.
+    shadow: Option<(u64, usize, u64, usize)>,
     /// LoRA shrink output, `[1 + splits][rows][n·R]` f32, and its split-k counters (see `lora.rs`).
     lora_t: DevBuf,
     lora_counters: DevBuf,
@@ -175,6 +176,14 @@ pub struct CudaDevice {
     /// Long prompts' LoRA GEMMs write the delta before the base GEMM accumulates onto it
     /// (`QUIVER_CUDA_LORA_GEMM_FIRST=0`: after, accumulating): see `lora_gemm.rs`.
     lora_gemm_first: bool,
+    /// Columns of room `load_weight` leaves beside every weight's rows (`QUIVER_CUDA_WEIGHT_ROOM`,
+    /// rounded up to 8; default 0): a check that every op reads weights through their row stride,
+    /// which LoRA's B beside the rows will need (`docs/lora-in-the-gemm.md`).
+    weight_room: usize,
+    /// Columns of room after each row of a GEMM's bf16 input as its producer writes it
+    /// (`QUIVER_CUDA_INPUT_ROOM`, rounded up to 8; default 0): the same check for the input's row
+    /// stride, where LoRA's shrink will go.
+    input_room: usize,
     /// Steps of at least this many decode rows take the attention by KV head
     /// (`QUIVER_CUDA_ATTN_GQA_MIN_ROWS`).
     attn_gqa_min_rows: usize,
@@ -288,7 +297,50 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Leaves `weight` columns of room beside every weight's rows that `load_weight` loads from
+    /// now on, and `input` columns after each row of the bf16 GEMM inputs the ops write (both
+    /// rounded up to 8): what `QUIVER_CUDA_WEIGHT_ROOM` / `QUIVER_CUDA_INPUT_ROOM` set at start.
+    /// The CUDA tests run their checks so, to show every op reads both through its row stride.
+    pub fn with_rooms(mut self, weight: usize, input: usize) -> Self {
+        self.weight_room = weight.next_multiple_of(8);
+        self.input_room = input.next_multiple_of(8);
+        self
+    }
 
+    /// `Device::load_weight` with rows `ld ≥ cols` elements apart, the columns past `cols`
+    /// zero: every matmul reads such a weight in place (the GEMVs' row stride, cuBLAS's lda).
+    /// The room beside the rows is for LoRA's B (`docs/lora-in-the-gemm.md`); the CUDA tests
+    /// load weights with room to check that every path honours the stride.
+    pub fn load_weight_strided(&self, w: Weight, ld: usize) -> Weight {
+        self.bind();
+        let (rows, cols) = (w.rows, w.cols);
+        assert!(ld >= cols, "a weight's row stride ({ld}) below its columns ({cols})");
+        fn padded<T: Copy + Default>(v: &[T], rows: usize, cols: usize, ld: usize) -> std::borrow::Cow<'_, [T]> {
+            if ld == cols {
+                return std::borrow::Cow::Borrowed(v);
+            }
+            let mut out = vec![T::default(); rows * ld];
+            for (o, r) in out.chunks_exact_mut(ld).zip(v.chunks_exact(cols)) {
+                o[..cols].copy_from_slice(r);
+            }
+            std::borrow::Cow::Owned(out)
+        }
+        let (b, dtype) = match &w.data {
+            WeightData::F32(v) => {
+                let b = DevBuf::zeroed(&self.ctx, rows * ld * 4).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+                self.htod(b.ptr, &padded(&v[..], rows, cols, ld)[..]);
+                (b, DType::F32)
+            }
+            WeightData::Bf16(v) => {
+                let b = DevBuf::zeroed(&self.ctx, rows * ld * 2).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+                self.htod(b.ptr, &padded(&v[..], rows, cols, ld)[..]);
+                (b, DType::Bf16)
+            }
+            WeightData::Tiled(_) | WeightData::Panels(_) | WeightData::OpenCl(..) => panic!("CUDA load_weight given a weight another device already loaded (build a fresh Weight per device)"),
+            WeightData::Cuda(..) => return w,
+        };
+        Weight { rows, cols, data: WeightData::Cuda(b, dtype, ld) }
+    }
 
     /// Median GPU time of one run of `body`, in milliseconds, over `reps` runs each timed by a pair
     /// of events on the device's stream (benchmarks: a kernel alone against the copy ceiling).
@@ -384,23 +436,8 @@ impl Device for CudaDevice {
     }
 
     fn load_weight(&self, w: Weight) -> Weight {
-        self.bind();
-        let (rows, cols) = (w.rows, w.cols);
-        let (b, dtype) = match &w.data {
-            WeightData::F32(v) => {
-                let b = DevBuf::zeroed(&self.ctx, v.len() * 4).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
-                self.htod(b.ptr, &v[..]);
-                (b, DType::F32)
-            }
-            WeightData::Bf16(v) => {
-                let b = DevBuf::zeroed(&self.ctx, v.len() * 2).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
-                self.htod(b.ptr, &v[..]);
-                (b, DType::Bf16)
-            }
-            WeightData::Tiled(_) | WeightData::Panels(_) | WeightData::OpenCl(..) => panic!("CUDA load_weight given a weight another device already loaded (build a fresh Weight per device)"),
-            WeightData::Cuda(..) => return w,
-        };
-        Weight { rows, cols, data: WeightData::Cuda(b, dtype) }
+        let ld = w.cols + self.weight_room;
+        self.load_weight_strided(w, ld)
     }
 
     fn kv_elem_bytes(&self) -> usize {

@@ -50,7 +50,7 @@ template <int HD>
 __device__ __forceinline__ void flash_prefill(const float* __restrict__ qkv, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
                                               const u32* __restrict__ tiles, const u32* __restrict__ positions,
                                               const u32* __restrict__ block_tables, int bt_stride, float* __restrict__ out,
-                                              bf16_t* __restrict__ outb, int n_heads, int n_kv, int hd, int block_size, float scale) {
+                                              bf16_t* __restrict__ outb, int ldb, int n_heads, int n_kv, int hd, int block_size, float scale) {
     constexpr int LD = HD + 8; // row stride in bf16: 16 bytes of padding make ldmatrix conflict-free
     constexpr int NS = FA_BN / 8, NO = HD / 8, KQ = HD / 16;
     extern __shared__ __align__(16) bf16_t fa_smem[]; // [2 buffers][K, V][FA_BN][LD]
@@ -208,7 +208,7 @@ __device__ __forceinline__ void flash_prefill(const float* __restrict__ qkv, con
         if (r >= nrows) return;
         const size_t at = (size_t)(row0 + r) * n_heads * hd + h * hd;
         float* orow = out + at;
-        bf16_t* brow = outb ? outb + at : nullptr;
+        bf16_t* brow = outb ? outb + (size_t)(row0 + r) * ldb + h * hd : nullptr;
         const float inv = 1.f / l;
 #pragma unroll
         for (int j = 0; j < NO; j++) {
@@ -227,8 +227,8 @@ __device__ __forceinline__ void flash_prefill(const float* __restrict__ qkv, con
 #define FLASH_PREFILL(HD)                                                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) prefill_attention_##HD(                                                            \
         const float* qkv, const bf16_t* kc, const bf16_t* vc, const u32* tiles, const u32* positions, const u32* block_tables, int bt_stride,   \
-        float* out, bf16_t* outb, int n_heads, int n_kv, int hd, int block_size, float scale) {                                                  \
+        float* out, bf16_t* outb, int ldb, int n_heads, int n_kv, int hd, int block_size, float scale) {                                                  \
         pdl_entry();                                                                                                                             \
-        flash_prefill<HD>(qkv, kc, vc, tiles, positions, block_tables, bt_stride, out, outb, n_heads, n_kv, hd, block_size, scale);             \
+        flash_prefill<HD>(qkv, kc, vc, tiles, positions, block_tables, bt_stride, out, outb, ldb, n_heads, n_kv, hd, block_size, scale);             \
     }
 FLASH_PREFILL(32) FLASH_PREFILL(64) FLASH_PREFILL(96) FLASH_PREFILL(128)

@@ -12,11 +12,11 @@ impl CudaDevice {
         if ids.is_empty() {
             return;
         }
-        let WeightData::Cuda(tb, dtype) = &table.data else { panic!("CUDA embedding given a host table") };
+        let WeightData::Cuda(tb, dtype, ld) = &table.data else { panic!("CUDA embedding given a host table") };
         let f = if *dtype == DType::Bf16 { self.k.embedding_bf16 } else { self.k.embedding_f32 };
         let mut st = self.state.lock().unwrap();
         let idp = self.meta_ptr(&mut st, ids);
-        launch!(self, f, (ids.len() as u32, 1, 1), (256, 1, 1); tb.ptr, idp, buf(out), table.cols as i32, start as u32, table.rows as u32);
+        launch!(self, f, (ids.len() as u32, 1, 1), (256, 1, 1); tb.ptr, idp, buf(out), table.cols as i32, *ld as i32, start as u32, table.rows as u32);
         self.mark("embedding");
     }
 
@@ -28,7 +28,7 @@ impl CudaDevice {
         let mut st = self.state.lock().unwrap();
         let ob = self.shadow_for(&mut st, rows, dim);
         let per_row = if dim.is_multiple_of(4) { dim / 4 } else { dim };
-        launch!(self, self.k.rms_norm, (rows as u32, 1, 1), row_threads(per_row); buf(x), buf(w), buf(out), ob, dim as i32, eps);
+        launch!(self, self.k.rms_norm, (rows as u32, 1, 1), row_threads(per_row); buf(x), buf(w), buf(out), ob.ptr, dim as i32, ob.ld as i32, eps);
         self.set_shadow(&mut st, ob, buf(out), rows * dim);
         self.mark("rms_norm");
     }
@@ -42,7 +42,7 @@ impl CudaDevice {
         let mut st = self.state.lock().unwrap();
         let ob = self.shadow_for(&mut st, rows, dim);
         let per_row = if dim.is_multiple_of(4) { dim / 4 } else { dim };
-        launch!(self, self.k.add_rms_norm, (rows as u32, 1, 1), row_threads(per_row); buf(resid), buf(delta), buf(w), buf(out), ob, dim as i32, eps);
+        launch!(self, self.k.add_rms_norm, (rows as u32, 1, 1), row_threads(per_row); buf(resid), buf(delta), buf(w), buf(out), ob.ptr, dim as i32, ob.ld as i32, eps);
         self.set_shadow(&mut st, ob, buf(out), rows * dim);
         self.mark("add_rms_norm");
     }
