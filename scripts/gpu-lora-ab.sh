@@ -8,7 +8,8 @@
 #   GPU_AB          settings, space-separated (default: the defaults, each switch off, the LoRA
 #                   epilogue off, the opt-in deferred o/down deltas, the one-row GEMV with LoRA on
 #                   fewer blocks per SM, the one-launch delta only up to 16 rows, two kernel
-#                   tuning constants, then the defaults again). A setting may also be
+#                   tuning constants, LoRA tails (long prompts' deltas inside the base GEMM),
+#                   then the defaults again). A setting may also be
 #                   QUIVER_CUDA_NVRTC_DEFINES=NAME=VALUE (one kernel tuning constant, no rebuild).
 #   GPU_AB_ROWS     decode rows (default "1,16,64,256"); GPU_AB_PREFILL prompt rows (default 2048)
 set -uo pipefail
@@ -17,7 +18,7 @@ DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
 LOGS=$DATA/logs
 mkdir -p "$LOGS"
 . scripts/gpu-env.sh
-settings=${GPU_AB:-default QUIVER_CUDA_LORA_AHEAD=0 QUIVER_CUDA_LORA_ROW1=beside QUIVER_CUDA_LORA_GEMM_FIRST=0 QUIVER_CUDA_LORA_EPILOGUE=0 QUIVER_CUDA_LORA_EPILOGUE=2 QUIVER_CUDA_GEMV_LORA_BLOCKS=4 QUIVER_CUDA_GEMV_LORA_BLOCKS=3 QUIVER_CUDA_LORA_ROWS_MAX=16 QUIVER_CUDA_NVRTC_DEFINES=LEP_MIN_BLOCKS=6 QUIVER_CUDA_NVRTC_DEFINES=LRW_MIN_BLOCKS=3 default}
+settings=${GPU_AB:-default QUIVER_CUDA_LORA_AHEAD=0 QUIVER_CUDA_LORA_ROW1=beside QUIVER_CUDA_LORA_GEMM_FIRST=0 QUIVER_CUDA_LORA_EPILOGUE=0 QUIVER_CUDA_LORA_EPILOGUE=2 QUIVER_CUDA_GEMV_LORA_BLOCKS=4 QUIVER_CUDA_GEMV_LORA_BLOCKS=3 QUIVER_CUDA_LORA_ROWS_MAX=16 QUIVER_CUDA_NVRTC_DEFINES=LEP_MIN_BLOCKS=6 QUIVER_CUDA_NVRTC_DEFINES=LRW_MIN_BLOCKS=3 QUIVER_CUDA_LORA_TAIL=1 default}
 [ -f "$DATA/models/llama8b/config.json" ] || python3 scripts/gpu_models.py models "$DATA" .gpu/tok llama8b > "$LOGS/ab-models.log" 2>&1
 for s in $settings; do
     env=(); [ "$s" = default ] || env=("$s")

@@ -158,7 +158,7 @@ pub fn run(a: BenchLoraArgs) -> Result<()> {
 }
 
 fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
-    let (lm, label) = a.shape.model_or_file(a.model.clone(), a.device, a.dtype)?;
+    let (mut lm, label) = a.shape.model_or_file(a.model.clone(), a.device, a.dtype)?;
     let m = &lm.model;
     let dims = m.lora_dims();
     let modules = LoraModule::parse_list(&a.modules).map_err(anyhow::Error::msg)?;
@@ -196,7 +196,11 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
                 target_modules: modules.clone(),
                 ..Default::default()
             };
-            let mut mgr = LoraManager::new(dims, cfg, m.device.clone())?;
+            let mut mgr = LoraManager::new(dims, cfg, lm.model.device.clone())?;
+            // As the engine does: the base weights get their LoRA tails where the device adds
+            // deltas that way (opt-in on CUDA; re-attached for each pool).
+            lm.model.attach_lora_tails(mgr.pool());
+            let m = &lm.model;
             let mut keys: Vec<AdapterKey> = Vec::new();
             for ad in &adapters {
                 keys.push(mgr.install_adapter(&ad.name, ad.clone(), false)?);
@@ -240,7 +244,7 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
             }
         }
     }
-    if let Some(s) = m.device.stats() {
+    if let Some(s) = lm.model.device.stats() {
         println!("{s}");
     }
     Ok(out)

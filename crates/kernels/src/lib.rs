@@ -27,7 +27,7 @@ pub use moe::{ExpertWeights, MoeRouting, QkNorm, RouterSpec};
 use std::fmt;
 use std::sync::Arc;
 
-pub use lora::{GroupRows, LoraCall, LoraExpertCall, LoraGroups, LoraImage, LoraSiteBuffers, LoraSiteShape, LoraStorage, LoraTable, LoraX};
+pub use lora::{GroupRows, LoraCall, LoraExpertCall, LoraGroups, LoraImage, LoraSiteBuffers, LoraSiteShape, LoraStorage, LoraTable, LoraTail, LoraX};
 
 /// Where a [`Device`] computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -163,9 +163,10 @@ pub enum WeightData {
     /// Host memory in column panels for the CPU GEMM: see [`cpu::panel`].
     Panels(cpu::panel::PanelWeight),
     /// In device memory, in the given dtype, rows `ld` elements apart (`ld ≥ cols`: columns
-    /// past `cols` are room the device keeps beside the matrix, e.g. for LoRA's B).
+    /// past `cols` are room the device keeps beside the matrix, e.g. for LoRA's B; shared with
+    /// the LoRA site whose tail lives there, see [`LoraTail`]).
     #[cfg(feature = "cuda")]
-    Cuda(cuda::DevBuf, DType, usize),
+    Cuda(std::sync::Arc<cuda::DevBuf>, DType, usize),
     /// In an OpenCL device's memory, in the given dtype.
     OpenCl(opencl::ClBuf, DType),
 }
@@ -519,6 +520,12 @@ pub trait Device: Send + Sync {
     fn lora_alloc_site(&self, shape: LoraSiteShape) -> LoraSiteBuffers {
         LoraSiteBuffers::host(shape)
     }
+    /// Makes `w`, the base weight of LoRA site `site` (a weight this device loaded), keep the B
+    /// of the site's first slots beside its rows (the slots written so far copied there, later
+    /// writes follow), and records where in `site.tail` ([`LoraTail`]; a later attach of another
+    /// weight takes the tail over), on a device whose GEMMs add the delta that way (CUDA under
+    /// `QUIVER_CUDA_LORA_TAIL=1`). Elsewhere nothing changes.
+    fn lora_attach_tail(&self, _w: &mut Weight, _site: &LoraSiteBuffers) {}
     /// A rank / scaling table for `entries` sites of `slots` slots (with a device mirror where
     /// the kernels need one).
     fn lora_alloc_table(&self, entries: usize, slots: usize) -> LoraTable {

@@ -124,11 +124,29 @@ impl std::fmt::Debug for LoraImage {
     }
 }
 
-/// The slot buffers of one site on a device: A `(S, n·R, in)` and Bᵀ `(S, R, b_ld)`.
+/// The slot buffers of one site on a device: A `(S, n·R, in)` and Bᵀ `(S, R, b_ld)`, and where
+/// the device also keeps the first slots' B beside the base weight's rows, if it does.
 pub struct LoraSiteBuffers {
     pub shape: LoraSiteShape,
     pub a: LoraStorage,
     pub b: LoraStorage,
+    /// Set by [`crate::Device::lora_attach_tail`] (through `&self`: the pool hands its sites
+    /// out shared); read by the device at each slot write and long prompt step.
+    pub tail: std::sync::Mutex<Option<LoraTail>>,
+}
+
+/// A site's LoRA tail (`docs/lora-in-the-gemm.md`, [`crate::Device::lora_attach_tail`]): the
+/// base weight keeps, beside each output row `o` of slice `j`, the B of slots `0..slots` in
+/// columns `in + slot·n·R + j·R + 0..R` (zeros in the other slices' columns), so one GEMM over
+/// `in + (highest slot + 1)·n·R` input columns adds every row's delta when each input row
+/// carries its scaled shrink in its slot's columns. `at` is the device address of the weight's
+/// column `in` in row 0, `ld` its row stride in elements; `memory` keeps the weight's memory
+/// alive while the site may still write slots into it, whatever happens to the weight.
+pub struct LoraTail {
+    pub at: u64,
+    pub ld: usize,
+    pub slots: usize,
+    pub memory: Box<dyn std::any::Any + Send + Sync>,
 }
 
 impl LoraSiteBuffers {
@@ -138,6 +156,7 @@ impl LoraSiteBuffers {
             a: LoraStorage::Host(AlignedVec::zeroed(shape.slots * shape.a_slot_len())),
             b: LoraStorage::Host(AlignedVec::zeroed(shape.slots * shape.b_slot_len())),
             shape,
+            tail: Default::default(),
         }
     }
     pub fn size_bytes(&self) -> usize {

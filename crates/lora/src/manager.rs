@@ -122,6 +122,7 @@ impl LoraManager {
     pub fn pool(&self) -> &LoraMemoryPool {
         &self.pool
     }
+
     /// Shards the pool over a tensor-parallel group: rank r's pool is allocated on `ranks[r]`'s
     /// device and holds its cut of every adapter ([`crate::shard`]). Called at start-up, before
     /// any adapter is resident.
@@ -483,6 +484,10 @@ const LORA_SHAPE_SALT: u64 = 0x9e37_79b9_7f4a_7c15;
 impl BatchHook<'_> {
     pub fn info(&self) -> &LoraBatchInfo {
         self.info
+    }
+    /// The pool the batch reads (a test attaches LoRA tails to weights it loads during one).
+    pub fn pool(&self) -> &LoraMemoryPool {
+        self.pool
     }
     fn site_ref<'s>(&'s self, site: Option<(&'s quiver_kernels::LoraSiteBuffers, usize)>) -> Option<SiteRef<'s>> {
         site.map(|(buffers, entry)| SiteRef { buffers, table: self.pool.table(), entry })

@@ -96,3 +96,14 @@ fn cuda_lora_reads_weights_and_inputs_through_their_row_strides() {
     device_lora::projections_with_epilogues_match_cpu(roomy());
     device_lora::norms_before_projections_match_cpu(roomy());
 }
+
+/// LoRA tails (`QUIVER_CUDA_LORA_TAIL=1`, opt-in): each site's weight keeps its slots' B beside
+/// its rows, and long prompts' deltas go through the base GEMM over the tail. The projections'
+/// check (its two long prompts around a base one take the tail; two slots for three adapters, so
+/// slot writes after the attach rewrite the tail) against the CPU reference.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
+fn cuda_lora_tails_match_cpu() {
+    let tails: Arc<dyn Device> = Arc::new(CudaDevice::new(0).unwrap_or_else(|e| panic!("opening cuda:0: {e:#}")).with_lora_tail(true));
+    device_lora::projections_with_epilogues_match_cpu(tails);
+}

@@ -12,7 +12,7 @@ use crate::config::ModelConfig;
 use crate::moe::{self, Mlp, MoeWorkspace};
 use crate::tp::TensorParallel;
 use quiver_kernels::{AttnBatch, Device, Epilogue, KvLayout, KvStorage, QkNorm, RopeTable, Tensor, Weight};
-use quiver_lora::{LinearSite, LoraHook, LoraModelDims, TpShard};
+use quiver_lora::{LinearSite, LoraHook, LoraMemoryPool, LoraModelDims, TpShard};
 use std::sync::Arc;
 
 pub struct LayerWeights {
@@ -157,6 +157,29 @@ impl LlamaModel {
     pub fn tp_ranks(&self) -> Option<Vec<(TpShard, Arc<dyn Device>)>> {
         self.tp.as_ref()?;
         Some(self.ranks().map(|m| (m.tp.as_ref().expect("every rank of a group has its shard").shard.clone(), m.device.clone())).collect())
+    }
+
+    /// Lets each LoRA site's base weight keep the site's B beside its rows where the device adds
+    /// deltas that way (`Device::lora_attach_tail`; nothing elsewhere). At start-up, before any
+    /// adapter is resident; not under tensor parallelism, whose ranks hold cuts of each adapter.
+    pub fn attach_lora_tails(&mut self, pool: &LoraMemoryPool) {
+        if self.tp.is_some() {
+            return;
+        }
+        let dev = self.device.clone();
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let attach = |site: LinearSite, w: &mut Weight| {
+                if let Some((b, _)) = pool.site(l, site) {
+                    dev.lora_attach_tail(w, b);
+                }
+            };
+            attach(LinearSite::Qkv, &mut layer.qkv);
+            attach(LinearSite::O, &mut layer.o);
+            if let Mlp::Dense { gate_up, down } = &mut layer.mlp {
+                attach(LinearSite::GateUp, gate_up);
+                attach(LinearSite::Down, down);
+            }
+        }
     }
 
     /// Ranks in the tensor-parallel group (1 without one).

@@ -177,12 +177,12 @@ impl Engine {
     /// loader thread.
     pub fn start(model: LoadedModel, cfg: EngineConfig) -> anyhow::Result<EngineHandle> {
         cfg.validate().map_err(anyhow::Error::msg)?;
-        let LoadedModel { model, tokenizer, path } = model;
+        let LoadedModel { mut model, tokenizer, path } = model;
         let tokenizer = Arc::new(tokenizer);
         // The streaming detokenizer's byte table (~20 ms for a 49k vocabulary), now rather than
         // on the first generated token.
         let _ = tokenizer.token_bytes();
-        let c = &model.config;
+        let c = model.config.clone();
         let embedding = match &cfg.task {
             Task::Embed(spec) => Some(spec.clone()),
             Task::Generate if !c.has_lm_head => anyhow::bail!("{}: the model has no LM head (a bare `{:?}` decoder, an embedding model): serve it with --task embed", path.display(), c.arch),
@@ -208,6 +208,9 @@ impl Engine {
         if let Some(ranks) = model.tp_ranks() {
             manager.shard_pool(&ranks).map_err(|e| anyhow::anyhow!("LoRA setup over {} tensor-parallel ranks: {e}", ranks.len()))?;
         }
+        // Where the device adds deltas inside the base GEMM (opt-in on CUDA), the sites' base
+        // weights get room for B, before any adapter is resident.
+        model.attach_lora_tails(manager.pool());
         // Host-cache reloads go through the loader thread too (see `adapters`).
         manager.set_disk_reload(false);
         let bs = cfg.block_size;

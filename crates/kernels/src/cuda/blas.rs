@@ -42,7 +42,7 @@ impl Blas {
             Operand::Bf16 => cs::cudaDataType::CUDA_R_16BF,
             Operand::F32 => cs::cudaDataType::CUDA_R_32F,
         };
-        self.gemm(t, m, n, k, w, true, x, y, n, 1.0, if accumulate { 1.0 } else { 0.0 })
+        self.gemm(t, m, n, k, w, true, x, y, n, cs::cudaDataType::CUDA_R_32F, 1.0, if accumulate { 1.0 } else { 0.0 })
             .map_err(|e| anyhow::anyhow!("cublasGemmEx (m={m}, n={n}, k={k}, {op:?}): {e:?}"))
     }
 
@@ -52,17 +52,25 @@ impl Blas {
     /// (a slice's columns, a segment's rows) are pointer offsets.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_strided(&self, m: usize, n: usize, k: usize, w: Mat, w_rows: bool, x: Mat, y: u64, y_ld: usize, alpha: f32, beta: f32) -> Result<()> {
-        self.gemm(cs::cudaDataType::CUDA_R_16BF, m, n, k, w, w_rows, x, y, y_ld, alpha, beta)
+        self.gemm(cs::cudaDataType::CUDA_R_16BF, m, n, k, w, w_rows, x, y, y_ld, cs::cudaDataType::CUDA_R_32F, alpha, beta)
             .map_err(|e| anyhow::anyhow!("cublasGemmEx (m={m}, n={n}, k={k}, strided): {e:?}"))
+    }
+
+    /// `y[m, n] = alpha · x[m, k] · Wᵀ` as [`Self::gemm_strided`] with W's rows, but y in bf16
+    /// (row stride `y.ld`; f32 accumulation, rounded once on the way out).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bf16_out(&self, m: usize, n: usize, k: usize, w: Mat, x: Mat, y: Mat, alpha: f32) -> Result<()> {
+        self.gemm(cs::cudaDataType::CUDA_R_16BF, m, n, k, w, true, x, y.ptr, y.ld, cs::cudaDataType::CUDA_R_16BF, alpha, 0.0)
+            .map_err(|e| anyhow::anyhow!("cublasGemmEx (m={m}, n={n}, k={k}, bf16 out): {e:?}"))
     }
 
     /// In cuBLAS's column-major terms `yᵀ (n×m) = op(W) · xᵀ (k×m)`: op = T on W's rows, N on
     /// its stored transpose.
     #[allow(clippy::too_many_arguments)]
-    fn gemm(&self, t: cs::cudaDataType, m: usize, n: usize, k: usize, w: Mat, w_rows: bool, x: Mat, y: u64, y_ld: usize, alpha: f32, beta: f32) -> Result<(), cublas::CublasError> {
+    fn gemm(&self, t: cs::cudaDataType, m: usize, n: usize, k: usize, w: Mat, w_rows: bool, x: Mat, y: u64, y_ld: usize, yt: cs::cudaDataType, alpha: f32, beta: f32) -> Result<(), cublas::CublasError> {
         let op = if w_rows { cs::cublasOperation_t::CUBLAS_OP_T } else { cs::cublasOperation_t::CUBLAS_OP_N };
         // SAFETY: the caller's views lie inside live device allocations of elements of type t
-        // (W, x) and f32 (y).
+        // (W, x) and yt (y).
         unsafe {
             cublas::gemm_ex(
                 self.handle,
@@ -80,7 +88,7 @@ impl Blas {
                 x.ld as i32,
                 &beta as *const f32 as *const c_void,
                 y as *mut c_void,
-                cs::cudaDataType::CUDA_R_32F,
+                yt,
                 y_ld as i32,
                 cs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

@@ -265,7 +265,7 @@ impl CudaDevice {
     /// the split mode converts itself), and that copy's row stride. Call `set_shadow` after
     /// launching the producer.
     pub(super) fn shadow_for(&self, st: &mut State, rows: usize, cols: usize) -> Shadow {
-        let ld = cols + self.input_room;
+        let ld = cols + self.input_room.load(std::sync::atomic::Ordering::Relaxed);
         if rows <= GEMV_MAX_M || self.split_gemm == SplitGemm::Always {
             return Shadow { ptr: 0, ld };
         }
@@ -275,17 +275,19 @@ impl CudaDevice {
 
     /// The bf16 copy of a GEMM's `m × k` input `x` in the input scratch: the producer's copy
     /// (rows as far apart as it wrote them) if nothing has run since it was written, else
-    /// converted now (rows `k` apart).
+    /// converted now (rows as far apart as a producer would write them).
     pub(super) fn bf16_input(&self, x: &Tensor, m: usize, k: usize) -> blas::Mat {
         let mut st = self.state.lock().unwrap();
         let touches = self.touches.load(std::sync::atomic::Ordering::Relaxed);
         match st.shadow.take() {
             Some((p, len, n, ld)) if (p, len, n) == (buf(x), m * k, touches) => blas::Mat { ptr: st.xbf.ptr, ld },
             _ => {
-                self.grow(&mut st.xbf, m * k * 2);
-                launch!(self, self.k.f32_to_bf16, grid1(m * k, 256), (256, 1, 1); buf(x), st.xbf.ptr, (m * k) as i64);
+                // With the same room after each row as a producer leaves (LoRA's tail goes there).
+                let ld = k + self.input_room.load(std::sync::atomic::Ordering::Relaxed);
+                self.grow(&mut st.xbf, m * ld * 2);
+                launch!(self, self.k.f32_to_bf16, grid1(m * k, 256), (256, 1, 1); buf(x), st.xbf.ptr, k as i64, ld as i64, (m * k) as i64);
                 self.mark("matmul input to bf16");
-                blas::Mat { ptr: st.xbf.ptr, ld: k }
+                blas::Mat { ptr: st.xbf.ptr, ld }
             }
         }
     }

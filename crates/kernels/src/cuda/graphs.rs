@@ -73,7 +73,7 @@ impl CudaDevice {
             if decode && rows > GEMV_MAX_M {
                 // Size the GEMM input scratch now: it may not grow while recording.
                 let per_elem = if self.split_gemm == SplitGemm::Never { 2 } else { 4 };
-                self.grow(&mut st.xbf, rows * (GRAPH_MAX_K + self.input_room) * per_elem);
+                self.grow(&mut st.xbf, rows * (GRAPH_MAX_K + self.input_room.load(std::sync::atomic::Ordering::Relaxed)) * per_elem);
             }
             decode
         }; // the ops in `body` take the state lock themselves

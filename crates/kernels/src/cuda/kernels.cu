@@ -51,9 +51,13 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
-extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16_t* __restrict__ y, long n) {
+// x's rows of `cols` floats into bf16 rows `ldy` apart (a GEMM input with room after its rows).
+extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16_t* __restrict__ y, long cols, long ldy, long n) {
     pdl_entry();
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] = f2bf(x[i]);
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const long r = i / cols;
+        y[r * ldy + (i - r * cols)] = f2bf(x[i]);
+    }
 }
 
 // x ≈ hi + lo with both in bf16 (hi = bf16(x), lo = bf16(x − hi)): two bf16 GEMMs then carry

@@ -37,28 +37,53 @@ impl CudaDevice {
     /// epilogue of a compute-bound GEMM instead of a separate read-modify-write pass over y per
     /// slice (22.5 GB a 2048-row 8B step). Otherwise (base rows among them, or the split input
     /// mode) the base GEMM first, then the expands accumulating. `QUIVER_CUDA_LORA_GEMM_FIRST=0`
-    /// always takes the second order.
+    /// always takes the second order. With the site's LoRA tail holding every run's slot (opt-in,
+    /// `lora_tail.rs`) neither: the shrinks write beside x and one GEMM adds the delta.
     pub(super) fn lora_gemm_project(&self, call: &LoraCall<'_>, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor) {
         let (n, k) = (w.rows, w.cols);
-        let covered = call.groups.adapter_rows == m && !self.splits(n, k) && self.lora_gemm_first;
-        if !covered {
+        let splits = self.splits(n, k);
+        let covered = call.groups.adapter_rows == m && !splits && self.lora_gemm_first;
+        let tail = !splits && call.buffers.tail.lock().unwrap().is_some();
+        if !covered && !tail {
             let xb = self.matmul_input(x, m, w, bias, y).expect("lora_gemm_fits takes bf16 weights past the GEMV's rows");
             let tb = self.lora_gemm_shrink(call, m, xb);
             return self.lora_gemm_expand(call, m, tb, buf(y), 1.0);
         }
         let WeightData::Cuda(wb, DType::Bf16, ldw) = &w.data else { unreachable!("lora_gemm_fits takes bf16 weights") };
+        let wm = Mat { ptr: wb.ptr, ld: *ldw };
         self.bind();
         // x in bf16 for the shrink and the base GEMM.
         let xb = self.bf16_input(x, m, k);
-        let tb = self.lora_gemm_shrink(call, m, xb);
-        self.lora_gemm_expand(call, m, tb, buf(y), 0.0);
-        self.touch();
-        self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, Mat { ptr: wb.ptr, ld: *ldw }, xb, buf(y), true).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
-        self.mark("matmul cublas onto the lora delta");
-        if let Some(b) = bias {
-            launch!(self, self.k.add_bias, grid1(m * n, 256), (256, 1, 1); buf(y), buf(b), n as i32, (m * n) as i64);
-            self.mark("bias");
+        // With the site's tail (opt-in): the delta inside the base GEMM (`lora_tail.rs`).
+        if let Some(cols) = self.lora_tail_cols(call, w, xb, |f| {
+            for_runs(call, f);
+        }) {
+            return self.lora_tail_project(call, m, w, bias, y, xb, cols, |f| {
+                for_runs(call, f);
+            });
         }
+        let add_bias = |y: &Tensor| {
+            if let Some(b) = bias {
+                launch!(self, self.k.add_bias, grid1(m * n, 256), (256, 1, 1); buf(y), buf(b), n as i32, (m * n) as i64);
+                self.mark("bias");
+            }
+        };
+        let gemm = |y: &Tensor, accumulate: bool| {
+            self.touch();
+            self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k, wm, xb, buf(y), accumulate).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+        };
+        let tb = self.lora_gemm_shrink(call, m, xb);
+        if !covered {
+            // A tail this step cannot use (a slot past it): the base GEMM, then the expands.
+            gemm(y, false);
+            self.mark("matmul cublas");
+            add_bias(y);
+            return self.lora_gemm_expand(call, m, tb, buf(y), 1.0);
+        }
+        self.lora_gemm_expand(call, m, tb, buf(y), 0.0);
+        gemm(y, true);
+        self.mark("matmul cublas onto the lora delta");
+        add_bias(y);
     }
 
     /// The shrink GEMMs of `call`'s runs from `xb`, the bf16 copy of x the base GEMM read:
@@ -84,7 +109,7 @@ impl CudaDevice {
             }
         });
         self.mark("lora shrink gemm");
-        launch!(self, self.k.f32_to_bf16, grid1(m * w, 256), (256, 1, 1); t, tb, (m * w) as i64);
+        launch!(self, self.k.f32_to_bf16, grid1(m * w, 256), (256, 1, 1); t, tb, w as i64, w as i64, (m * w) as i64);
         tb
     }
 

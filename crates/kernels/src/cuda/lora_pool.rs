@@ -52,7 +52,7 @@ impl CudaDevice {
         g.width = g.width.max(shape.shrink_width());
         g.splits = g.splits.max(split_k(shape.in_dim).1);
         g.out = g.out.max(shape.out_dim());
-        LoraSiteBuffers { a: mk(shape.slots * shape.a_slot_len()), b: mk(shape.slots * shape.b_slot_len()), shape }
+        LoraSiteBuffers { a: mk(shape.slots * shape.a_slot_len()), b: mk(shape.slots * shape.b_slot_len()), shape, tail: Default::default() }
     }
 
     pub(super) fn lora_alloc_table_impl(&self, entries: usize, slots: usize) -> LoraTable {

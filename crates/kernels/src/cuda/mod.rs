@@ -182,8 +182,13 @@ pub struct CudaDevice {
     weight_room: usize,
     /// Columns of room after each row of a GEMM's bf16 input as its producer writes it
     /// (`QUIVER_CUDA_INPUT_ROOM`, rounded up to 8; default 0): the same check for the input's row
-    /// stride, where LoRA's shrink will go.
-    input_room: usize,
+    /// stride, where LoRA's shrink will go. Attaching a LoRA tail raises it to the tail's width
+    /// (`lora_tail.rs`).
+    input_room: std::sync::atomic::AtomicUsize,
+    /// `QUIVER_CUDA_LORA_TAIL=1`: LoRA sites keep their first slots' B beside the base weight's
+    /// rows and long prompts' deltas go through the base GEMM (`lora_tail.rs`; opt-in until
+    /// measured).
+    lora_tail: bool,
     /// Steps of at least this many decode rows take the attention by KV head
     /// (`QUIVER_CUDA_ATTN_GQA_MIN_ROWS`).
     attn_gqa_min_rows: usize,
@@ -253,6 +258,7 @@ mod lora_experts;
 mod lora_gemm;
 mod launch;
 mod lora_pool;
+mod lora_tail;
 mod memory;
 mod module;
 pub mod moe;
@@ -303,7 +309,14 @@ impl CudaDevice {
     /// The CUDA tests run their checks so, to show every op reads both through its row stride.
     pub fn with_rooms(mut self, weight: usize, input: usize) -> Self {
         self.weight_room = weight.next_multiple_of(8);
-        self.input_room = input.next_multiple_of(8);
+        self.input_room = input.next_multiple_of(8).into();
+        self
+    }
+
+    /// LoRA tails on or off whatever `QUIVER_CUDA_LORA_TAIL` says (`lora_tail.rs`): the CUDA
+    /// tests run the LoRA checks both ways.
+    pub fn with_lora_tail(mut self, on: bool) -> Self {
+        self.lora_tail = on;
         self
     }
 
@@ -339,7 +352,7 @@ impl CudaDevice {
             WeightData::Tiled(_) | WeightData::Panels(_) | WeightData::OpenCl(..) => panic!("CUDA load_weight given a weight another device already loaded (build a fresh Weight per device)"),
             WeightData::Cuda(..) => return w,
         };
-        Weight { rows, cols, data: WeightData::Cuda(b, dtype, ld) }
+        Weight { rows, cols, data: WeightData::Cuda(Arc::new(b), dtype, ld) }
     }
 
     /// Median GPU time of one run of `body`, in milliseconds, over `reps` runs each timed by a pair
@@ -550,7 +563,12 @@ impl Device for CudaDevice {
     }
 
     fn lora_write_slot(&self, buf: &mut LoraSiteBuffers, slot: usize, fill: &mut dyn FnMut(&mut [f32], &mut [f32])) {
-        self.lora_write_slot_impl(buf, slot, fill)
+        self.lora_write_slot_impl(buf, slot, fill);
+        self.lora_tail_scatter(buf, slot);
+    }
+
+    fn lora_attach_tail(&self, w: &mut Weight, site: &LoraSiteBuffers) {
+        self.lora_attach_tail_impl(w, site)
     }
 
     fn lora_sync_table(&self, table: &mut LoraTable) {
@@ -566,7 +584,8 @@ impl Device for CudaDevice {
     }
 
     fn lora_write_slot_image(&self, buf: &mut LoraSiteBuffers, slot: usize, image: &LoraImage, offset: usize) {
-        self.lora_write_slot_image_impl(buf, slot, image, offset)
+        self.lora_write_slot_image_impl(buf, slot, image, offset);
+        self.lora_tail_scatter(buf, slot);
     }
 
     fn lora_tile_rows(&self) -> usize {

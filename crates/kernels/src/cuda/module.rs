@@ -12,7 +12,7 @@ use std::path::PathBuf;
 /// `collective.cu`, one module
 /// (later files use the helpers of earlier ones: kernels.cu's bf16 and reduction helpers,
 /// gemv.cu's cp.async and dot8, prefill_attention.cu's mma / ldmatrix).
-pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("gemv.cu"), include_str!("prefill_attention.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("lora_rows.cu"), include_str!("lora_epilogue.cu"), include_str!("moe.cu"), include_str!("lora_experts.cu"), include_str!("sample.cu"), include_str!("logit_edits.cu"), include_str!("collective.cu"));
+pub(super) const KERNELS_SRC: &str = concat!(include_str!("kernels.cu"), include_str!("gemv.cu"), include_str!("prefill_attention.cu"), include_str!("decode_attention.cu"), include_str!("lora.cu"), include_str!("lora_ahead.cu"), include_str!("lora_rows.cu"), include_str!("lora_epilogue.cu"), include_str!("moe.cu"), include_str!("lora_experts.cu"), include_str!("sample.cu"), include_str!("logit_edits.cu"), include_str!("collective.cu"), include_str!("lora_tail.cu"));
 
 pub(super) struct Kernels {
     pub(super) f32_to_bf16: sys::CUfunction,
@@ -57,6 +57,7 @@ pub(super) struct Kernels {
     /// RoPE and SiLU·mul adding a LoRA expand first (`lora_epilogue.cu`).
     pub(super) rope_qk_lora: sys::CUfunction,
     pub(super) silu_mul_lora: sys::CUfunction,
+    pub(super) lora_tail_scatter: sys::CUfunction,
     pub(super) sample_rows: sys::CUfunction,
     pub(super) resolve_drawn: sys::CUfunction,
     pub(super) logit_edits: sys::CUfunction,
@@ -109,6 +110,7 @@ impl Kernels {
             lora_rows: [f("lora_rows_1")?, f("lora_rows_2")?, f("lora_rows_4")?, f("lora_rows_8")?],
             rope_qk_lora: f("rope_qk_lora")?,
             silu_mul_lora: f("silu_mul_lora")?,
+            lora_tail_scatter: f("lora_tail_scatter")?,
             sample_rows: f("sample_rows")?,
             resolve_drawn: f("resolve_drawn")?,
             logit_edits: f("logit_edits")?,

@@ -22,7 +22,7 @@ fn cl_buf(s: &LoraStorage) -> &ClBuf {
 impl OpenClDevice {
     pub(super) fn lora_alloc_site_impl(&self, shape: LoraSiteShape) -> LoraSiteBuffers {
         let mk = |elems: usize| LoraStorage::OpenCl(self.zeroed(elems * 4));
-        LoraSiteBuffers { a: mk(shape.slots * shape.a_slot_len()), b: mk(shape.slots * shape.b_slot_len()), shape }
+        LoraSiteBuffers { a: mk(shape.slots * shape.a_slot_len()), b: mk(shape.slots * shape.b_slot_len()), shape, tail: Default::default() }
     }
 
     pub(super) fn lora_alloc_table_impl(&self, entries: usize, slots: usize) -> LoraTable {

@@ -397,7 +397,12 @@ pub fn projections_with_epilogues_match_cpu(dev: Arc<dyn Device>) {
                 // the layer reads next: after o_proj and down_proj the residual plus the output
                 // (a device may put the delta in either).
                 let run = |d: &dyn Device, hook: Option<&dyn LoraHook>, t: &RopeTable| -> Vec<f32> {
-                    let wt = d.load_weight(Weight::from_f32(dout, din, w.clone(), DType::Bf16));
+                    let mut wt = d.load_weight(Weight::from_f32(dout, din, w.clone(), DType::Bf16));
+                    // As the engine does: the weight keeps the site's B beside its rows where the
+                    // device adds deltas that way (CUDA with LoRA tails; nothing elsewhere).
+                    if let Some((b, _)) = gh.pool().site(layer, site) {
+                        d.lora_attach_tail(&mut wt, b);
+                    }
                     let xt = d.tensor_from(&x);
                     let bt = bias.as_ref().map(|b| d.tensor_from(b));
                     let mut y = d.tensor_from(&vec![0.0; rows * dout]);

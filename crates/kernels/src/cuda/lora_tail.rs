@@ -1,0 +1,129 @@
+//! LoRA tails (`docs/lora-in-the-gemm.md`; opt-in, `QUIVER_CUDA_LORA_TAIL=1`): a site's B of its
+//! first slots kept beside the base weight's rows, so that `y = [x | t̂]·[W | B̂]ᵀ` adds every
+//! row's delta in the base GEMM itself, with `t̂` (each row's shrink, scaled, in its slot's
+//! columns; zeros elsewhere) written beside x's bf16 copy. What this removes is the expand's
+//! pass over the f32 output: a long prompt's delta GEMMs write y and the base GEMM reads it back
+//! (`lora_gemm.rs`), ~22.5 GB a 2048-token 8B step. Long prompts (`lora_gemm_fits`) take it
+//! today; decode steps keep their kernels until their shrinks write the tail (the plan's next
+//! step).
+
+use super::blas::Mat;
+use super::lora::dev_buf;
+use super::*;
+use crate::lora::{LoraCall, LoraSiteBuffers, LoraTail, MAX_SLICES};
+
+/// Most columns a weight's tail takes, in whole slots: 256 are 6% more bytes on a 4096-wide
+/// weight, and cuBLAS kept its tiles up to there at decode sizes (the probe, session 27).
+const TAIL_MAX_COLS: usize = 256;
+
+impl CudaDevice {
+    /// `Device::lora_attach_tail`: copies `w` into rows `in + T` wide (T = the tail's columns,
+    /// a multiple of 8), the tail zeroed, then writes the B of every slot the tail holds (zeros
+    /// until an adapter fills one). x's bf16 copies get at least that much room after each row.
+    pub(super) fn lora_attach_tail_impl(&self, w: &mut Weight, site: &LoraSiteBuffers) {
+        let sh = site.shape;
+        let nr = sh.shrink_width();
+        let slots = sh.slots.min(TAIL_MAX_COLS / nr.max(1));
+        if !self.lora_tail || slots == 0 || w.cols != sh.in_dim || w.rows != sh.out_dim() {
+            return;
+        }
+        let WeightData::Cuda(old, DType::Bf16, old_ld) = &w.data else { return };
+        let (rows, k) = (w.rows, w.cols);
+        let ld = (k + slots * nr).next_multiple_of(8);
+        self.bind();
+        let b = DevBuf::zeroed(&self.ctx, rows * ld * 2).unwrap_or_else(|e| panic!("LoRA tail of a {rows}x{k} weight on {}: {e:#}", self.name));
+        // SAFETY: a zeroed struct is a valid descriptor; both pitched regions lie inside their
+        // allocations (rows × pitch bytes), device to device on the compute stream.
+        unsafe {
+            let mut c: sys::CUDA_MEMCPY2D = std::mem::zeroed();
+            c.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+            c.srcDevice = old.ptr;
+            c.srcPitch = old_ld * 2;
+            c.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+            c.dstDevice = b.ptr;
+            c.dstPitch = ld * 2;
+            c.WidthInBytes = k * 2;
+            c.Height = rows;
+            self.touch();
+            sys::cuMemcpy2DAsync_v2(&c, self.stream).result().unwrap_or_else(|e| panic!("copying a weight beside its LoRA tail on {}: {e:?}", self.name));
+        }
+        // The old buffer is freed when `w.data` is replaced: the copy must be done by then.
+        self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+        let (at, b) = (b.ptr + (k * 2) as u64, Arc::new(b));
+        w.data = WeightData::Cuda(b.clone(), DType::Bf16, ld);
+        *site.tail.lock().unwrap() = Some(LoraTail { at, ld, slots, memory: Box::new(b) });
+        self.input_room.fetch_max(ld - k, std::sync::atomic::Ordering::Relaxed);
+        for slot in 0..slots {
+            self.lora_tail_scatter(site, slot);
+        }
+    }
+
+    /// Writes slot `slot`'s B from the pool into `site`'s tail (after the slot's write, on the
+    /// same stream): nothing when the site has no tail or the slot is past it.
+    pub(super) fn lora_tail_scatter(&self, site: &LoraSiteBuffers, slot: usize) {
+        let Some((at, ld, slots)) = site.tail.lock().unwrap().as_ref().map(|t| (t.at, t.ld, t.slots)) else { return };
+        if slot >= slots {
+            return;
+        }
+        let sh = site.shape;
+        let nr = sh.shrink_width();
+        let off = |j: usize| if j < sh.n_slices { sh.offsets[j] as i32 } else { 0 };
+        let grid = (nr.div_ceil(64) as u32, sh.out_dim().min(8192) as u32, 1);
+        launch!(self, self.k.lora_tail_scatter, grid, (64, 1, 1);
+            dev_buf(&site.b).ptr, sh.b_ld as i32, sh.max_rank as i32, sh.n_slices as i32, off(1), off(2), sh.out_dim() as i32, at, ld as i64, slot as i32);
+        self.mark("lora tail scatter");
+    }
+
+    /// The tail's columns a step over `call`'s runs reads (through the highest slot a run
+    /// uses, rounded up to 8), when `w` has the site's tail, every run's slot is in it, and
+    /// x's bf16 copy `xb` has room for them; None otherwise.
+    pub(super) fn lora_tail_cols(&self, call: &LoraCall<'_>, w: &Weight, xb: Mat, runs: impl FnOnce(&mut dyn FnMut(usize, usize, usize))) -> Option<usize> {
+        let (at, tld, slots) = call.buffers.tail.lock().unwrap().as_ref().map(|t| (t.at, t.ld, t.slots))?;
+        let WeightData::Cuda(wb, DType::Bf16, ld) = &w.data else { return None };
+        if *ld != tld || wb.ptr + (w.cols * 2) as u64 != at {
+            return None;
+        }
+        let mut hi = 0;
+        runs(&mut |_, _, slot| hi = hi.max(slot + 1));
+        let cols = (hi * call.shape().shrink_width()).next_multiple_of(8);
+        (hi <= slots && xb.ld >= w.cols + cols).then_some(cols)
+    }
+
+    /// `y = [x | t̂]·[W | B̂]ᵀ (+ bias)` over `tail_cols` tail columns: zeroes those columns of
+    /// x's bf16 copy `xb`, writes each run's `s_j · x·A_jᵀ` (bf16) into its slot's columns, then
+    /// one GEMM over `in + tail_cols`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn lora_tail_project(&self, call: &LoraCall<'_>, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor, xb: Mat, tail_cols: usize, runs: impl FnOnce(&mut dyn FnMut(usize, usize, usize))) {
+        let WeightData::Cuda(wb, DType::Bf16, ldw) = &w.data else { unreachable!("lora_tail_cols takes bf16 weights") };
+        let sh = *call.shape();
+        let (n, k, nr) = (w.rows, w.cols, sh.shrink_width());
+        let a = dev_buf(&call.buffers.a).ptr;
+        let (ranks, scal) = (call.table.ranks_at(call.entry), call.table.scalings_at(call.entry));
+        self.touch();
+        // SAFETY: m rows of tail_cols bf16 past column k of x's copy, inside its room (checked by
+        // lora_tail_cols); the compute stream.
+        unsafe { sys::cuMemsetD2D16Async(xb.ptr + (k * 2) as u64, xb.ld * 2, 0, tail_cols, m, self.stream) }.result().unwrap_or_else(|e| panic!("zeroing LoRA tail columns on {}: {e:?}", self.name));
+        let fail = |e: anyhow::Error| -> ! { panic!("{}: LoRA tail shrink: {e:#}", self.name) };
+        runs(&mut |r0, len, slot| {
+            let r = ranks[slot] as usize;
+            for j in 0..sh.n_slices {
+                if r == 0 {
+                    break;
+                }
+                // A's slot holds slice j's rows at j·r (packed by the adapter's rank); t̂'s
+                // columns of slice j start at j·R (the tail's layout, by the pool's rank).
+                let aj = Mat { ptr: a + ((slot * nr + j * r) * k * 2) as u64, ld: k };
+                let xr = Mat { ptr: xb.ptr + (r0 * xb.ld * 2) as u64, ld: xb.ld };
+                let tj = Mat { ptr: xb.ptr + ((r0 * xb.ld + k + slot * nr + j * sh.max_rank) * 2) as u64, ld: xb.ld };
+                self.blas.gemm_bf16_out(len, r, k, aj, xr, tj, scal[slot * MAX_SLICES + j]).unwrap_or_else(|e| fail(e));
+            }
+        });
+        self.mark("lora tail shrink gemm");
+        self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k + tail_cols, Mat { ptr: wb.ptr, ld: *ldw }, xb, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+        self.mark("matmul cublas over the lora tail");
+        if let Some(b) = bias {
+            launch!(self, self.k.add_bias, grid1(m * n, 256), (256, 1, 1); buf(y), buf(b), n as i32, (m * n) as i64);
+            self.mark("bias");
+        }
+    }
+}
