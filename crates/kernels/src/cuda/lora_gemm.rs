@@ -16,9 +16,21 @@ use crate::lora::{LoraCall, MAX_SLICES};
 /// when every run of its adapter rows is at least this long (the engine's prefill chunks of
 /// long prompts), since each run costs 1 + slices cuBLAS calls.
 const GEMM_MIN_RUN: usize = 256;
+/// The same with the site's LoRA tail (`lora_tail.rs`, opt-in): a run then costs one small
+/// shrink GEMM a slice and nothing after it, so shorter runs (several adapters' prompts in one
+/// chunk: 16 of 128 rows in a 2048-token step) take it too.
+const TAIL_MIN_RUN: usize = 64;
+
+fn run_min(call: &LoraCall<'_>) -> usize {
+    if call.buffers.tail.lock().unwrap().is_some() {
+        TAIL_MIN_RUN
+    } else {
+        GEMM_MIN_RUN
+    }
+}
 
 fn for_runs(call: &LoraCall<'_>, f: impl FnMut(usize, usize, usize)) -> bool {
-    crate::lora::for_contiguous_runs(call.groups.packed, call.groups.rows, GEMM_MIN_RUN, f)
+    crate::lora::for_contiguous_runs(call.groups.packed, call.groups.rows, run_min(call), f)
 }
 
 impl CudaDevice {
@@ -27,7 +39,7 @@ impl CudaDevice {
         m > GEMV_MAX_M
             && !self.recording.load(std::sync::atomic::Ordering::Relaxed)
             && matches!(w.data, WeightData::Cuda(_, DType::Bf16, _))
-            && call.groups.adapter_rows >= GEMM_MIN_RUN
+            && call.groups.adapter_rows >= run_min(call)
             && for_runs(call, |_, _, _| {})
     }
 
