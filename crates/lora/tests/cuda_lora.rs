@@ -98,12 +98,16 @@ fn cuda_lora_reads_weights_and_inputs_through_their_row_strides() {
 }
 
 /// LoRA tails (`QUIVER_CUDA_LORA_TAIL=1`, opt-in): each site's weight keeps its slots' B beside
-/// its rows, and long prompts' deltas go through the base GEMM over the tail. The projections'
-/// check (its two long prompts around a base one take the tail; two slots for three adapters, so
-/// slot writes after the attach rewrite the tail) against the CPU reference.
+/// its rows, and steps of several rows add their deltas in the base GEMM over the tail (t̂ from
+/// the norm's shrink or the tail kernel's own). The projections' check (its long prompts around
+/// a base one take the prompts' path; 12 and 160 rows the rows' path; two slots for three
+/// adapters, so slot writes after the attach rewrite the tail) and the norms' check (the norm's
+/// shrink feeding the tail, and a recorded step replayed under other adapter mixes) against the
+/// CPU reference.
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn cuda_lora_tails_match_cpu() {
-    let tails: Arc<dyn Device> = Arc::new(CudaDevice::new(0).unwrap_or_else(|e| panic!("opening cuda:0: {e:#}")).with_lora_tail(true));
-    device_lora::projections_with_epilogues_match_cpu(tails);
+    let tails = || -> Arc<dyn Device> { Arc::new(CudaDevice::new(0).unwrap_or_else(|e| panic!("opening cuda:0: {e:#}")).with_lora_tail(true)) };
+    device_lora::projections_with_epilogues_match_cpu(tails());
+    device_lora::norms_before_projections_match_cpu(tails());
 }

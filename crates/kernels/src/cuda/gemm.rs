@@ -132,6 +132,10 @@ impl CudaDevice {
                 });
         if let Some(t) = ahead {
             if !fold {
+                // With the site's LoRA tail (opt-in): t̂ beside x, the delta in the GEMM.
+                if let Some(cols) = self.lora_tail_rows_fits(call, m, w) {
+                    return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, cols, Some(t));
+                }
                 // The norm computed the shrink: the expand in the epilogue where it takes it,
                 // else right after the GEMM, then the epilogue.
                 if self.lora_epilogue_fits(call, &epilogue, w) {
@@ -175,6 +179,9 @@ impl CudaDevice {
         if self.lora_gemm_fits(call, m, w) {
             self.lora_gemm_project(call, x, m, w, bias, y);
             return epilogue.run(self, y, m, w);
+        }
+        if let Some(cols) = self.lora_tail_rows_fits(call, m, w) {
+            return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, cols, None);
         }
         let out = call.shape().out_dim();
         let beside_all = self.lora_side.is_some() && call.groups.rows <= DELTA_BESIDE_MAX_ROWS && out == w.rows;

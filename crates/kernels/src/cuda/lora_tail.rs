@@ -12,9 +12,20 @@ use super::lora::dev_buf;
 use super::*;
 use crate::lora::{LoraCall, LoraSiteBuffers, LoraTail, MAX_SLICES};
 
-/// Most columns a weight's tail takes, in whole slots: 256 are 6% more bytes on a 4096-wide
-/// weight, and cuBLAS kept its tiles up to there at decode sizes (the probe, session 27).
-const TAIL_MAX_COLS: usize = 256;
+/// Most columns a weight's tail takes, in whole slots: 512 hold 10 rank-16 slots on qkv (the
+/// default 8 of `--max-loras-per-batch`, so recorded steps can take the tail) for 12% more bytes
+/// on a 4096-wide weight; at decode sizes the probe (session 27) measured cuBLAS over K + 256 at
+/// 1.00-1.05x and K + 1024 at 1.04-1.17x the GEMM over K.
+const TAIL_MAX_COLS: usize = 512;
+/// Widest shrink (`n·R`) the rows' tail kernel holds (`lora_tail.cu` `TAIL_MAX_W`).
+const TAIL_MAX_W: usize = 192;
+
+/// The row stride and slot count of `call`'s site tail when `w` is the weight it lives in.
+fn tail_of(call: &LoraCall<'_>, w: &Weight) -> Option<(usize, usize)> {
+    let (at, ld, slots) = call.buffers.tail.lock().unwrap().as_ref().map(|t| (t.at, t.ld, t.slots))?;
+    let WeightData::Cuda(wb, DType::Bf16, wld) = &w.data else { return None };
+    (*wld == ld && wb.ptr + (w.cols * 2) as u64 == at).then_some((ld, slots))
+}
 
 impl CudaDevice {
     /// `Device::lora_attach_tail`: copies `w` into rows `in + T` wide (T = the tail's columns,
@@ -78,15 +89,11 @@ impl CudaDevice {
     /// uses, rounded up to 8), when `w` has the site's tail, every run's slot is in it, and
     /// x's bf16 copy `xb` has room for them; None otherwise.
     pub(super) fn lora_tail_cols(&self, call: &LoraCall<'_>, w: &Weight, xb: Mat, runs: impl FnOnce(&mut dyn FnMut(usize, usize, usize))) -> Option<usize> {
-        let (at, tld, slots) = call.buffers.tail.lock().unwrap().as_ref().map(|t| (t.at, t.ld, t.slots))?;
-        let WeightData::Cuda(wb, DType::Bf16, ld) = &w.data else { return None };
-        if *ld != tld || wb.ptr + (w.cols * 2) as u64 != at {
-            return None;
-        }
+        let (tld, slots) = tail_of(call, w)?;
         let mut hi = 0;
         runs(&mut |_, _, slot| hi = hi.max(slot + 1));
         let cols = (hi * call.shape().shrink_width()).next_multiple_of(8);
-        (hi <= slots && xb.ld >= w.cols + cols).then_some(cols)
+        (hi <= slots && xb.ld >= w.cols + cols && tld >= w.cols + cols).then_some(cols)
     }
 
     /// `y = [x | t̂]·[W | B̂]ᵀ (+ bias)` over `tail_cols` tail columns: zeroes those columns of
@@ -125,5 +132,55 @@ impl CudaDevice {
             launch!(self, self.k.add_bias, grid1(m * n, 256), (256, 1, 1); buf(y), buf(b), n as i32, (m * n) as i64);
             self.mark("bias");
         }
+    }
+
+    /// The tail's columns a step of `m ≥ 2` rows reads for `call` over `w` (all of them: the
+    /// kernel's launch does not depend on the step's adapters), when the site's tail matches
+    /// `w` and holds every slot a row may use: every slot of the pool for a recorded step (it
+    /// replays under any adapter mix), the step's own slots for an eager one.
+    pub(super) fn lora_tail_rows_fits(&self, call: &LoraCall<'_>, m: usize, w: &Weight) -> Option<usize> {
+        if !self.lora_tail || m <= GEMV_MAX_M || self.splits(w.rows, w.cols) || call.shape().shrink_width() > TAIL_MAX_W {
+            return None;
+        }
+        let (tld, slots) = tail_of(call, w)?;
+        let covered = if self.recording.load(std::sync::atomic::Ordering::Relaxed) {
+            slots >= call.shape().slots
+        } else {
+            // The packed groups' tile slots (`kernels::lora::pack_tiles`).
+            let (g, cap) = (call.groups.packed, call.groups.rows);
+            let tiles = g[0] as usize;
+            g[1 + 3 * cap..1 + 3 * cap + tiles].iter().all(|&s| (s as usize) < slots)
+        };
+        covered.then_some(tld - w.cols)
+    }
+
+    /// `y = [x | t̂]·[W | B̂]ᵀ (+ bias)` over a step's rows, then `epilogue`: one kernel writes
+    /// each row's scaled shrink (from `t_ahead`, the norm's, or its own from x) beside x's bf16
+    /// copy and zeros in the other slots' columns (`lora_tail_shrink`), one GEMM adds every
+    /// row's delta. Replaces the shrink, the expand and the LoRA epilogue of the kernels' path.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn lora_tail_rows(&self, call: &LoraCall<'_>, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor, cols: usize, t_ahead: Option<u64>) {
+        let WeightData::Cuda(wb, DType::Bf16, ldw) = &w.data else { unreachable!("lora_tail_rows_fits takes bf16 weights") };
+        let (n, k) = (w.rows, w.cols);
+        let xb = self.bf16_input(x, m, k);
+        assert!(xb.ld >= k + cols, "a GEMM input without room for its LoRA tail ({} < {})", xb.ld, k + cols);
+        let sh = *call.shape();
+        let mut st = self.state.lock().unwrap();
+        let site = self.lora_site(&mut st, call).expect("a LoRA step with rows");
+        drop(st);
+        let slots = call.buffers.tail.lock().unwrap().as_ref().map_or(0, |t| t.slots);
+        let xp = if t_ahead.is_some() { 0 } else { buf(x) };
+        launch!(self, self.k.lora_tail_shrink, (m as u32, 1, 1), (256, 1, 1);
+            xp, k as i32, t_ahead.unwrap_or(0), sh.shrink_width() as i32, site.a, site.gp, site.cap as i32, site.ranks, site.scal,
+            sh.n_slices as i32, sh.max_rank as i32, slots as i32, xb.ptr, xb.ld as i64, cols as i32);
+        self.mark("lora tail shrink");
+        self.touch();
+        self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k + cols, Mat { ptr: wb.ptr, ld: *ldw }, xb, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
+        self.mark("matmul cublas over the lora tail");
+        if let Some(b) = bias {
+            launch!(self, self.k.add_bias, grid1(m * n, 256), (256, 1, 1); buf(y), buf(b), n as i32, (m * n) as i64);
+            self.mark("bias");
+        }
+        epilogue.run(self, y, m, w);
     }
 }
