@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# LoRA tails on the GPU machine in one call (docs/lora-in-the-gemm.md; opt-in with
+# QUIVER_CUDA_LORA_TAIL=1; build here with `scripts/gpu-build.sh`, carry .gpu-pack): the LoRA
+# kernel checks (cuda_lora_tails_match_cpu among them) and the row-stride checks, PEFT parity
+# and the overlapped engine with tails on and with room on weights and GEMM inputs, then the
+# step cost of adapters with tails against without, in one process each (base and adapter steps
+# alternate, so compare the cost columns): 1 adapter (a one-slot pool, which the tails hold
+# whole, so recorded decode steps take them) and 16 (a 16-slot pool: qkv's tail holds 10, so
+# decode steps keep the kernels and the 2048-token prefill's 128-row runs show the prompts' path).
+#
+#   GPU_TAIL_PARITY=0  skip the parity models and tests (kernel checks and step costs only)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
+LOGS=$DATA/logs
+mkdir -p "$LOGS"
+export QUIVER_GPU_DATA=$DATA PYTHONUNBUFFERED=1
+. scripts/gpu-env.sh
+step() { # name, command...
+    local name=$1; shift
+    local t0=$SECONDS
+    if "$@" >"$LOGS/$name.log" 2>&1; then r=ok; else r=FAILED; fi
+    echo "[$r] $name ($((SECONDS - t0)) s)"
+    [ $r = ok ] || grep -E "panicked|FAILED|error" "$LOGS/$name.log" | head -n 20
+}
+step lora-tests .gpu/bin/cuda_lora --ignored --test-threads 1 --nocapture
+step stride-tests .gpu/bin/cuda_kernels --ignored through_their_row_strides weights_with_room --test-threads 1
+if [ "${GPU_TAIL_PARITY:-1}" = 1 ]; then
+    step models python3 scripts/gpu_models.py models "$DATA" .gpu/tok
+    step refs python3 scripts/gpu_models.py refs "$DATA"
+    step adapters python3 scripts/gpu_models.py adapters "$DATA"
+    step peft-refs python3 scripts/gpu_models.py peft-refs "$DATA"
+    step parity-tail env QUIVER_CUDA_LORA_TAIL=1 .gpu/bin/cuda_parity --ignored --skip moe_expert_adapters_on_cuda --test-threads 1 --nocapture
+    step overlap-tail env QUIVER_CUDA_LORA_TAIL=1 .gpu/bin/cuda_overlap --ignored --test-threads 1 --nocapture
+    step parity-room env QUIVER_CUDA_WEIGHT_ROOM=24 QUIVER_CUDA_INPUT_ROOM=40 .gpu/bin/cuda_parity --ignored --skip moe_expert_adapters_on_cuda --test-threads 1
+else
+    [ -f "$DATA/models/llama8b/config.json" ] || step models python3 scripts/gpu_models.py models "$DATA" .gpu/tok llama8b
+fi
+for ads in 1 16; do
+    for tail in 0 1; do
+        step "step-a$ads-tail$tail" env QUIVER_CUDA_LORA_TAIL=$tail .gpu/bin/quiver bench lora --device cuda --dtype bf16 --part step \
+            --model "$DATA/models/llama8b" --ranks 16 --adapters $ads --rows 1,16,64,256 --prefill 2048 --backends auto --steps 15
+        echo "-- $ads adapter(s), tails $tail"
+        grep -hE "^(auto|CUDA graphs)" "$LOGS/step-a$ads-tail$tail.log"
+    done
+done
