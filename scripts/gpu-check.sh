@@ -9,20 +9,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
-DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
-# The device tool returns at most 8 files: logs go to $LOGS, packed into one archive at the end.
-LOGS=$DATA/logs
-mkdir -p "$OUT" "$LOGS"
-export QUIVER_GPU_DATA=$DATA PYTHONUNBUFFERED=1
-. scripts/gpu-env.sh
-status=0
-step() { # name, command...
-    local name=$1; shift
-    local t0=$SECONDS
-    if "$@" >"$LOGS/$name.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
-    echo "[$r] $name ($((SECONDS - t0)) s)"
-    [ $r = ok ] || tail -n 30 "$LOGS/$name.log"
-}
+mkdir -p "$OUT"
+# $DATA, $LOGS (packed into one archive at the end), `step`.
+. scripts/gpu-step.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$LOGS/nvidia-smi.log" 2>&1
 # GPU_CHECK_PARITY=0 skips the parity tests and the models and references only they need
 # (a kernel-and-benchmark call: the 8B-shaped model alone).

@@ -11,18 +11,7 @@
 #   GPU_TAIL_PARITY=0  skip the parity models and tests (kernel checks and step costs only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
-LOGS=$DATA/logs
-mkdir -p "$LOGS"
-export QUIVER_GPU_DATA=$DATA PYTHONUNBUFFERED=1
-. scripts/gpu-env.sh
-step() { # name, command...
-    local name=$1; shift
-    local t0=$SECONDS
-    if "$@" >"$LOGS/$name.log" 2>&1; then r=ok; else r=FAILED; fi
-    echo "[$r] $name ($((SECONDS - t0)) s)"
-    [ $r = ok ] || grep -E "panicked|FAILED|error" "$LOGS/$name.log" | head -n 20
-}
+. scripts/gpu-step.sh
 step lora-tests .gpu/bin/cuda_lora --ignored --test-threads 1 --nocapture
 step stride-tests .gpu/bin/cuda_kernels --ignored through_their_row_strides weights_with_room --test-threads 1
 if [ "${GPU_TAIL_PARITY:-1}" = 1 ]; then
@@ -44,3 +33,4 @@ for ads in 1 16; do
         grep -hE "^(auto|CUDA graphs)" "$LOGS/step-a$ads-tail$tail.log"
     done
 done
+exit $status

@@ -8,18 +8,7 @@
 # comma-separated list of assignments (default: none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DATA=${QUIVER_GPU_DATA:-/tmp/quiver-gpu}
-LOGS=$DATA/logs
-mkdir -p "$LOGS"
-export QUIVER_GPU_DATA=$DATA PYTHONUNBUFFERED=1
-. scripts/gpu-env.sh
-step() { # name, command...
-    local name=$1; shift
-    local t0=$SECONDS
-    if "$@" >"$LOGS/$name.log" 2>&1; then r=ok; else r=FAILED; fi
-    echo "[$r] $name ($((SECONDS - t0)) s)"
-    [ $r = ok ] || tail -n 30 "$LOGS/$name.log"
-}
+. scripts/gpu-step.sh
 step lora-tests .gpu/bin/cuda_lora --ignored --test-threads 1 --nocapture
 for mode in ${GPU_LORA_TEST_MODES:-}; do
     IFS=, read -ra assigns <<< "$mode"
