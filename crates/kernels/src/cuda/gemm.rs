@@ -133,8 +133,8 @@ impl CudaDevice {
         if let Some(t) = ahead {
             if !fold {
                 // With the site's LoRA tail (opt-in): t̂ beside x, the delta in the GEMM.
-                if let Some(cols) = self.lora_tail_rows_fits(call, m, w) {
-                    return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, cols, Some(t));
+                if let Some(slots) = self.lora_tail_rows_fits(call, m, w) {
+                    return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, slots, Some(t));
                 }
                 // The norm computed the shrink: the expand in the epilogue where it takes it,
                 // else right after the GEMM, then the epilogue.
@@ -180,8 +180,8 @@ impl CudaDevice {
             self.lora_gemm_project(call, x, m, w, bias, y);
             return epilogue.run(self, y, m, w);
         }
-        if let Some(cols) = self.lora_tail_rows_fits(call, m, w) {
-            return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, cols, None);
+        if let Some(slots) = self.lora_tail_rows_fits(call, m, w) {
+            return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, slots, None);
         }
         let out = call.shape().out_dim();
         let beside_all = self.lora_side.is_some() && call.groups.rows <= DELTA_BESIDE_MAX_ROWS && out == w.rows;

@@ -194,8 +194,10 @@ impl CudaDevice {
     }
 }
 
-/// Columns of room from environment variable `var` (a test setting, `QUIVER_CUDA_*_ROOM`), rounded
-/// up to 8 so rows stay 16-byte aligned; 0 when unset or not a number.
+/// Columns of room from environment variable `var` (a check's setting, `QUIVER_CUDA_*_ROOM`),
+/// rounded up to 8 so rows stay 16-byte aligned; 0 when unset.
 fn room(var: &str) -> usize {
-    std::env::var(var).ok().and_then(|v| v.parse::<usize>().ok()).map_or(0, |c| c.next_multiple_of(8))
+    let Ok(v) = std::env::var(var) else { return 0 };
+    let cols: usize = v.parse().unwrap_or_else(|_| panic!("{var}={v:?}: a number of columns"));
+    cols.next_multiple_of(8)
 }

@@ -29,7 +29,7 @@ fn run_min(call: &LoraCall<'_>) -> usize {
     }
 }
 
-fn for_runs(call: &LoraCall<'_>, f: impl FnMut(usize, usize, usize)) -> bool {
+pub(super) fn for_runs(call: &LoraCall<'_>, f: impl FnMut(usize, usize, usize)) -> bool {
     crate::lora::for_contiguous_runs(call.groups.packed, call.groups.rows, run_min(call), f)
 }
 
@@ -67,12 +67,8 @@ impl CudaDevice {
         // x in bf16 for the shrink and the base GEMM.
         let xb = self.bf16_input(x, m, k);
         // With the site's tail (opt-in): the delta inside the base GEMM (`lora_tail.rs`).
-        if let Some(cols) = self.lora_tail_cols(call, w, xb, |f| {
-            for_runs(call, f);
-        }) {
-            return self.lora_tail_project(call, m, w, bias, y, xb, cols, |f| {
-                for_runs(call, f);
-            });
+        if let Some(cols) = self.lora_tail_cols(call, w, xb) {
+            return self.lora_tail_project(call, m, w, bias, y, xb, cols);
         }
         let add_bias = |y: &Tensor| {
             if let Some(b) = bias {

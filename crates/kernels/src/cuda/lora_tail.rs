@@ -9,6 +9,7 @@
 
 use super::blas::Mat;
 use super::lora::dev_buf;
+use super::lora_gemm::for_runs;
 use super::*;
 use crate::lora::{LoraCall, LoraSiteBuffers, LoraTail, MAX_SLICES};
 
@@ -20,11 +21,11 @@ const TAIL_MAX_COLS: usize = 512;
 /// Widest shrink (`n·R`) the rows' tail kernel holds (`lora_tail.cu` `TAIL_MAX_W`).
 const TAIL_MAX_W: usize = 192;
 
-/// The row stride and slot count of `call`'s site tail when `w` is the weight it lives in.
-fn tail_of(call: &LoraCall<'_>, w: &Weight) -> Option<(usize, usize)> {
+/// The slot count of `call`'s site tail when `w` is the weight it lives in.
+fn tail_of(call: &LoraCall<'_>, w: &Weight) -> Option<usize> {
     let (at, ld, slots) = call.buffers.tail.lock().unwrap().as_ref().map(|t| (t.at, t.ld, t.slots))?;
     let WeightData::Cuda(wb, DType::Bf16, wld) = &w.data else { return None };
-    (*wld == ld && wb.ptr + (w.cols * 2) as u64 == at).then_some((ld, slots))
+    (*wld == ld && wb.ptr + (w.cols * 2) as u64 == at).then_some(slots)
 }
 
 impl CudaDevice {
@@ -88,19 +89,20 @@ impl CudaDevice {
     /// The tail's columns a step over `call`'s runs reads (through the highest slot a run
     /// uses, rounded up to 8), when `w` has the site's tail, every run's slot is in it, and
     /// x's bf16 copy `xb` has room for them; None otherwise.
-    pub(super) fn lora_tail_cols(&self, call: &LoraCall<'_>, w: &Weight, xb: Mat, runs: impl FnOnce(&mut dyn FnMut(usize, usize, usize))) -> Option<usize> {
-        let (tld, slots) = tail_of(call, w)?;
+    pub(super) fn lora_tail_cols(&self, call: &LoraCall<'_>, w: &Weight, xb: Mat) -> Option<usize> {
+        let slots = tail_of(call, w)?;
         let mut hi = 0;
-        runs(&mut |_, _, slot| hi = hi.max(slot + 1));
+        for_runs(call, |_, _, slot| hi = hi.max(slot + 1));
         let cols = (hi * call.shape().shrink_width()).next_multiple_of(8);
-        (hi <= slots && xb.ld >= w.cols + cols && tld >= w.cols + cols).then_some(cols)
+        // hi ≤ slots keeps cols within the weight's tail (its width is slots·n·R rounded to 8).
+        (hi <= slots && xb.ld >= w.cols + cols).then_some(cols)
     }
 
     /// `y = [x | t̂]·[W | B̂]ᵀ (+ bias)` over `tail_cols` tail columns: zeroes those columns of
     /// x's bf16 copy `xb`, writes each run's `s_j · x·A_jᵀ` (bf16) into its slot's columns, then
     /// one GEMM over `in + tail_cols`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn lora_tail_project(&self, call: &LoraCall<'_>, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor, xb: Mat, tail_cols: usize, runs: impl FnOnce(&mut dyn FnMut(usize, usize, usize))) {
+    pub(super) fn lora_tail_project(&self, call: &LoraCall<'_>, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor, xb: Mat, tail_cols: usize) {
         let WeightData::Cuda(wb, DType::Bf16, ldw) = &w.data else { unreachable!("lora_tail_cols takes bf16 weights") };
         let sh = *call.shape();
         let (n, k, nr) = (w.rows, w.cols, sh.shrink_width());
@@ -111,7 +113,7 @@ impl CudaDevice {
         // lora_tail_cols); the compute stream.
         unsafe { sys::cuMemsetD2D16Async(xb.ptr + (k * 2) as u64, xb.ld * 2, 0, tail_cols, m, self.stream) }.result().unwrap_or_else(|e| panic!("zeroing LoRA tail columns on {}: {e:?}", self.name));
         let fail = |e: anyhow::Error| -> ! { panic!("{}: LoRA tail shrink: {e:#}", self.name) };
-        runs(&mut |r0, len, slot| {
+        for_runs(call, |r0, len, slot| {
             let r = ranks[slot] as usize;
             for j in 0..sh.n_slices {
                 if r == 0 {
@@ -134,15 +136,14 @@ impl CudaDevice {
         }
     }
 
-    /// The tail's columns a step of `m ≥ 2` rows reads for `call` over `w` (all of them: the
-    /// kernel's launch does not depend on the step's adapters), when the site's tail matches
-    /// `w` and holds every slot a row may use: every slot of the pool for a recorded step (it
+    /// The slots of `call`'s site tail, when a step of `m ≥ 2` rows over `w` can add its delta
+    /// through it (`lora_tail_rows`): the tail lives in `w` and holds every slot a row may use: every slot of the pool for a recorded step (it
     /// replays under any adapter mix), the step's own slots for an eager one.
     pub(super) fn lora_tail_rows_fits(&self, call: &LoraCall<'_>, m: usize, w: &Weight) -> Option<usize> {
         if !self.lora_tail || m <= GEMV_MAX_M || self.splits(w.rows, w.cols) || call.shape().shrink_width() > TAIL_MAX_W {
             return None;
         }
-        let (tld, slots) = tail_of(call, w)?;
+        let slots = tail_of(call, w)?;
         let covered = if self.recording.load(std::sync::atomic::Ordering::Relaxed) {
             slots >= call.shape().slots
         } else {
@@ -151,24 +152,25 @@ impl CudaDevice {
             let tiles = g[0] as usize;
             g[1 + 3 * cap..1 + 3 * cap + tiles].iter().all(|&s| (s as usize) < slots)
         };
-        covered.then_some(tld - w.cols)
+        covered.then_some(slots)
     }
 
-    /// `y = [x | t̂]·[W | B̂]ᵀ (+ bias)` over a step's rows, then `epilogue`: one kernel writes
+    /// `y = [x | t̂]·[W | B̂]ᵀ (+ bias)` over a step's rows and the whole tail (its `slots`; the
+    /// launches do not depend on the step's adapters, so a recorded step replays under any
+    /// mix), then `epilogue`: one kernel writes
     /// each row's scaled shrink (from `t_ahead`, the norm's, or its own from x) beside x's bf16
     /// copy and zeros in the other slots' columns (`lora_tail_shrink`), one GEMM adds every
     /// row's delta. Replaces the shrink, the expand and the LoRA epilogue of the kernels' path.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn lora_tail_rows(&self, call: &LoraCall<'_>, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor, cols: usize, t_ahead: Option<u64>) {
+    pub(super) fn lora_tail_rows(&self, call: &LoraCall<'_>, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor, slots: usize, t_ahead: Option<u64>) {
         let WeightData::Cuda(wb, DType::Bf16, ldw) = &w.data else { unreachable!("lora_tail_rows_fits takes bf16 weights") };
-        let (n, k) = (w.rows, w.cols);
+        let (n, k, cols) = (w.rows, w.cols, ldw - w.cols);
         let xb = self.bf16_input(x, m, k);
         assert!(xb.ld >= k + cols, "a GEMM input without room for its LoRA tail ({} < {})", xb.ld, k + cols);
         let sh = *call.shape();
         let mut st = self.state.lock().unwrap();
         let site = self.lora_site(&mut st, call).expect("a LoRA step with rows");
         drop(st);
-        let slots = call.buffers.tail.lock().unwrap().as_ref().map_or(0, |t| t.slots);
         let xp = if t_ahead.is_some() { 0 } else { buf(x) };
         launch!(self, self.k.lora_tail_shrink, (m as u32, 1, 1), (256, 1, 1);
             xp, k as i32, t_ahead.unwrap_or(0), sh.shrink_width() as i32, site.a, site.gp, site.cap as i32, site.ranks, site.scal,
