@@ -198,7 +198,7 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
             };
             let mut mgr = LoraManager::new(dims, cfg, lm.model.device.clone())?;
             // As the engine does: the base weights get their LoRA tails where the device adds
-            // deltas that way (opt-in on CUDA; re-attached for each pool).
+            // deltas that way (CUDA: long prompts; re-attached for each pool).
             lm.model.attach_lora_tails(mgr.pool());
             let m = &lm.model;
             let mut keys: Vec<AdapterKey> = Vec::new();

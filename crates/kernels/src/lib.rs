@@ -524,7 +524,7 @@ pub trait Device: Send + Sync {
     /// of the site's first slots beside its rows (the slots written so far copied there, later
     /// writes follow), and records where in `site.tail` ([`LoraTail`]; a later attach of another
     /// weight takes the tail over), on a device whose GEMMs add the delta that way (CUDA under
-    /// `QUIVER_CUDA_LORA_TAIL=1`). Elsewhere nothing changes.
+    /// default, not under `QUIVER_CUDA_LORA_TAIL=0`). Elsewhere nothing changes.
     fn lora_attach_tail(&self, _w: &mut Weight, _site: &LoraSiteBuffers) {}
     /// A rank / scaling table for `entries` sites of `slots` slots (with a device mirror where
     /// the kernels need one).

@@ -87,18 +87,20 @@ fn expert_lora_past_the_grouping_bound_is_refused_naming_the_flag() {
 /// The LoRA checks again on a device that keeps room beside every weight's rows and after each
 /// row of the bf16 GEMM inputs its ops write (`CudaDevice::with_rooms`, where LoRA's B and shrink
 /// will go): the projections with their fused epilogues, the norms that also shrink, the long
-/// prompts' LoRA GEMMs, all through the row strides.
+/// prompts' LoRA GEMMs without tails (the default device adds their deltas through the tails),
+/// all through the row strides.
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn cuda_lora_reads_weights_and_inputs_through_their_row_strides() {
-    let roomy = || -> Arc<dyn Device> { Arc::new(CudaDevice::new(0).unwrap_or_else(|e| panic!("opening cuda:0: {e:#}")).with_rooms(24, 40)) };
+    let roomy = || -> Arc<dyn Device> { Arc::new(CudaDevice::new(0).unwrap_or_else(|e| panic!("opening cuda:0: {e:#}")).with_rooms(24, 40).with_lora_tail(false)) };
     device_lora::lora_matches_cpu_reference_on_random_batches(roomy(), "cuda");
     device_lora::projections_with_epilogues_match_cpu(roomy());
     device_lora::norms_before_projections_match_cpu(roomy());
 }
 
-/// LoRA tails (`QUIVER_CUDA_LORA_TAIL=1`, opt-in): each site's weight keeps its slots' B beside
-/// its rows, and steps of several rows add their deltas in the base GEMM over the tail (t̂ from
+/// LoRA tails with steps of rows through them too (`QUIVER_CUDA_LORA_TAIL=rows`; long prompts
+/// take the tails by default): each site's weight keeps its slots' B beside its rows, and steps
+/// of several rows add their deltas in the base GEMM over the tail (t̂ from
 /// the norm's shrink or the tail kernel's own). The projections' check (its long prompts around
 /// a base one take the prompts' path; 12 and 160 rows the rows' path; two slots for three
 /// adapters, so slot writes after the attach rewrite the tail) and the norms' check (the norm's
@@ -107,7 +109,7 @@ fn cuda_lora_reads_weights_and_inputs_through_their_row_strides() {
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh"]
 fn cuda_lora_tails_match_cpu() {
-    let tails = || -> Arc<dyn Device> { Arc::new(CudaDevice::new(0).unwrap_or_else(|e| panic!("opening cuda:0: {e:#}")).with_lora_tail(true)) };
+    let tails = || -> Arc<dyn Device> { Arc::new(CudaDevice::new(0).unwrap_or_else(|e| panic!("opening cuda:0: {e:#}")).with_lora_tail_rows(true)) };
     device_lora::projections_with_epilogues_match_cpu(tails());
     device_lora::norms_before_projections_match_cpu(tails());
 }

@@ -208,7 +208,7 @@ impl Engine {
         if let Some(ranks) = model.tp_ranks() {
             manager.shard_pool(&ranks).map_err(|e| anyhow::anyhow!("LoRA setup over {} tensor-parallel ranks: {e}", ranks.len()))?;
         }
-        // Where the device adds deltas inside the base GEMM (opt-in on CUDA), the sites' base
+        // Where the device adds deltas inside the base GEMM (CUDA: long prompts), the sites' base
         // weights get room for B, before any adapter is resident.
         model.attach_lora_tails(manager.pool());
         // Host-cache reloads go through the loader thread too (see `adapters`).

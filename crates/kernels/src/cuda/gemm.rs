@@ -132,7 +132,7 @@ impl CudaDevice {
                 });
         if let Some(t) = ahead {
             if !fold {
-                // With the site's LoRA tail (opt-in): t̂ beside x, the delta in the GEMM.
+                // With the site's LoRA tail (`QUIVER_CUDA_LORA_TAIL=rows`): t̂ beside x, the delta in the GEMM.
                 if let Some(slots) = self.lora_tail_rows_fits(call, m, w) {
                     return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, slots, Some(t));
                 }

@@ -14,23 +14,14 @@ use crate::lora::{LoraCall, MAX_SLICES};
 
 /// Shortest run of contiguous rows of one adapter that the GEMMs take; a step takes them only
 /// when every run of its adapter rows is at least this long (the engine's prefill chunks of
-/// long prompts), since each run costs 1 + slices cuBLAS calls.
+/// long prompts), since each run costs 1 + slices cuBLAS calls. The same with the site's LoRA
+/// tail (`lora_tail.rs`): runs of 64 through the tail (16 adapters' 128-row prompts in a
+/// 2048-token step) measured slower than the kernels (session 29, H100, 8B: +59.0% against
+/// +44.7% of the base step).
 const GEMM_MIN_RUN: usize = 256;
-/// The same with the site's LoRA tail (`lora_tail.rs`, opt-in): a run then costs one small
-/// shrink GEMM a slice and nothing after it, so shorter runs (several adapters' prompts in one
-/// chunk: 16 of 128 rows in a 2048-token step) take it too.
-const TAIL_MIN_RUN: usize = 64;
-
-fn run_min(call: &LoraCall<'_>) -> usize {
-    if call.buffers.tail.lock().unwrap().is_some() {
-        TAIL_MIN_RUN
-    } else {
-        GEMM_MIN_RUN
-    }
-}
 
 pub(super) fn for_runs(call: &LoraCall<'_>, f: impl FnMut(usize, usize, usize)) -> bool {
-    crate::lora::for_contiguous_runs(call.groups.packed, call.groups.rows, run_min(call), f)
+    crate::lora::for_contiguous_runs(call.groups.packed, call.groups.rows, GEMM_MIN_RUN, f)
 }
 
 impl CudaDevice {
@@ -39,7 +30,7 @@ impl CudaDevice {
         m > GEMV_MAX_M
             && !self.recording.load(std::sync::atomic::Ordering::Relaxed)
             && matches!(w.data, WeightData::Cuda(_, DType::Bf16, _))
-            && call.groups.adapter_rows >= run_min(call)
+            && call.groups.adapter_rows >= GEMM_MIN_RUN
             && for_runs(call, |_, _, _| {})
     }
 
@@ -49,13 +40,13 @@ impl CudaDevice {
     /// epilogue of a compute-bound GEMM instead of a separate read-modify-write pass over y per
     /// slice (22.5 GB a 2048-row 8B step). Otherwise (base rows among them, or the split input
     /// mode) the base GEMM first, then the expands accumulating. `QUIVER_CUDA_LORA_GEMM_FIRST=0`
-    /// always takes the second order. With the site's LoRA tail holding every run's slot (opt-in,
-    /// `lora_tail.rs`) neither: the shrinks write beside x and one GEMM adds the delta.
+    /// always takes the second order. With the site's LoRA tail holding every run's slot
+    /// (`lora_tail.rs`) neither: the shrinks write beside x and one GEMM adds the delta.
     pub(super) fn lora_gemm_project(&self, call: &LoraCall<'_>, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, y: &mut Tensor) {
         let (n, k) = (w.rows, w.cols);
         let splits = self.splits(n, k);
         let covered = call.groups.adapter_rows == m && !splits && self.lora_gemm_first;
-        let tail = !splits && call.buffers.tail.lock().unwrap().is_some();
+        let tail = !splits && self.lora_tail && call.buffers.tail.lock().unwrap().is_some();
         if !covered && !tail {
             let xb = self.matmul_input(x, m, w, bias, y).expect("lora_gemm_fits takes bf16 weights past the GEMV's rows");
             let tb = self.lora_gemm_shrink(call, m, xb);
@@ -66,7 +57,7 @@ impl CudaDevice {
         self.bind();
         // x in bf16 for the shrink and the base GEMM.
         let xb = self.bf16_input(x, m, k);
-        // With the site's tail (opt-in): the delta inside the base GEMM (`lora_tail.rs`).
+        // With the site's tail: the delta inside the base GEMM (`lora_tail.rs`).
         if let Some(cols) = self.lora_tail_cols(call, w, xb) {
             return self.lora_tail_project(call, m, w, bias, y, xb, cols);
         }

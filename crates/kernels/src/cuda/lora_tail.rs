@@ -1,11 +1,17 @@
-//! LoRA tails (`docs/lora-in-the-gemm.md`; opt-in, `QUIVER_CUDA_LORA_TAIL=1`): a site's B of its
-//! first slots kept beside the base weight's rows, so that `y = [x | t̂]·[W | B̂]ᵀ` adds every
-//! row's delta in the base GEMM itself, with `t̂` (each row's shrink, scaled, in its slot's
-//! columns; zeros elsewhere) written beside x's bf16 copy. What this removes is the expand's
-//! pass over the f32 output: a long prompt's delta GEMMs write y and the base GEMM reads it back
-//! (`lora_gemm.rs`), ~22.5 GB a 2048-token 8B step. Long prompts (`lora_gemm_fits`) take it
-//! today; decode steps keep their kernels until their shrinks write the tail (the plan's next
-//! step).
+//! LoRA tails (`docs/lora-in-the-gemm.md`; on unless `QUIVER_CUDA_LORA_TAIL=0`): a site's B of
+//! its first slots kept beside the base weight's rows, so that `y = [x | t̂]·[W | B̂]ᵀ` adds
+//! every row's delta in the base GEMM itself, with `t̂` (each row's shrink, scaled, in its
+//! slot's columns; zeros elsewhere) written beside x's bf16 copy. What this removes is the
+//! expand's pass over the f32 output: a long prompt's delta GEMMs write y and the base GEMM
+//! reads it back (`lora_gemm.rs`), ~22.5 GB a 2048-token 8B step. Long prompts
+//! (`lora_gemm_fits`) take it: a 2048-token prompt with one adapter measured +6.8% of the base
+//! step against +16.4% without (session 29, H100, 8B, rank 16 on all 7 projections). Steps of
+//! rows (decode) keep their kernels: through the tail (`QUIVER_CUDA_LORA_TAIL=rows`) a 16-row
+//! step measured +31.7% against +11.0%. cuBLAS over K + T costs what it does over K at 16
+//! rows (session 27's probe), so the loss is the rows' own t̂ kernel (`lora_tail_shrink`: one
+//! block a row reading its slot's whole A, 16-64 blocks on 132 SMs, for o and down whose shrink
+//! the norm does not compute) against the kernels' path, whose shrinks and expands run beside
+//! the GEMM or inside its epilogue.
 
 use super::blas::Mat;
 use super::lora::dev_buf;
@@ -44,18 +50,29 @@ impl CudaDevice {
         let ld = (k + slots * nr).next_multiple_of(8);
         self.bind();
         let b = DevBuf::zeroed(&self.ctx, rows * ld * 2).unwrap_or_else(|e| panic!("LoRA tail of a {rows}x{k} weight on {}: {e:#}", self.name));
-        // SAFETY: a zeroed struct is a valid descriptor; both pitched regions lie inside their
-        // allocations (rows × pitch bytes), device to device on the compute stream.
+        // Every field spelled out: `mem::zeroed` is not a valid descriptor (CUmemorytype has no
+        // zero variant, and Rust aborts on it).
+        let c = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: old.ptr,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: old_ld * 2,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: b.ptr,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: ld * 2,
+            WidthInBytes: k * 2,
+            Height: rows,
+        };
+        // SAFETY: both pitched regions lie inside their allocations (rows × pitch bytes), device
+        // to device on the compute stream.
         unsafe {
-            let mut c: sys::CUDA_MEMCPY2D = std::mem::zeroed();
-            c.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-            c.srcDevice = old.ptr;
-            c.srcPitch = old_ld * 2;
-            c.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-            c.dstDevice = b.ptr;
-            c.dstPitch = ld * 2;
-            c.WidthInBytes = k * 2;
-            c.Height = rows;
             self.touch();
             sys::cuMemcpy2DAsync_v2(&c, self.stream).result().unwrap_or_else(|e| panic!("copying a weight beside its LoRA tail on {}: {e:?}", self.name));
         }
@@ -115,6 +132,7 @@ impl CudaDevice {
         let fail = |e: anyhow::Error| -> ! { panic!("{}: LoRA tail shrink: {e:#}", self.name) };
         for_runs(call, |r0, len, slot| {
             let r = ranks[slot] as usize;
+            let xr = Mat { ptr: xb.ptr + (r0 * xb.ld * 2) as u64, ld: xb.ld };
             for j in 0..sh.n_slices {
                 if r == 0 {
                     break;
@@ -122,7 +140,6 @@ impl CudaDevice {
                 // A's slot holds slice j's rows at j·r (packed by the adapter's rank); t̂'s
                 // columns of slice j start at j·R (the tail's layout, by the pool's rank).
                 let aj = Mat { ptr: a + ((slot * nr + j * r) * k * 2) as u64, ld: k };
-                let xr = Mat { ptr: xb.ptr + (r0 * xb.ld * 2) as u64, ld: xb.ld };
                 let tj = Mat { ptr: xb.ptr + ((r0 * xb.ld + k + slot * nr + j * sh.max_rank) * 2) as u64, ld: xb.ld };
                 self.blas.gemm_bf16_out(len, r, k, aj, xr, tj, scal[slot * MAX_SLICES + j]).unwrap_or_else(|e| fail(e));
             }
@@ -140,7 +157,7 @@ impl CudaDevice {
     /// through it (`lora_tail_rows`): the tail lives in `w` and holds every slot a row may use: every slot of the pool for a recorded step (it
     /// replays under any adapter mix), the step's own slots for an eager one.
     pub(super) fn lora_tail_rows_fits(&self, call: &LoraCall<'_>, m: usize, w: &Weight) -> Option<usize> {
-        if !self.lora_tail || m <= GEMV_MAX_M || self.splits(w.rows, w.cols) || call.shape().shrink_width() > TAIL_MAX_W {
+        if !self.lora_tail_rows || m <= GEMV_MAX_M || self.splits(w.rows, w.cols) || call.shape().shrink_width() > TAIL_MAX_W {
             return None;
         }
         let slots = tail_of(call, w)?;

@@ -185,10 +185,13 @@ pub struct CudaDevice {
     /// stride, where LoRA's shrink will go. Attaching a LoRA tail raises it to the tail's width
     /// (`lora_tail.rs`).
     input_room: std::sync::atomic::AtomicUsize,
-    /// `QUIVER_CUDA_LORA_TAIL=1`: LoRA sites keep their first slots' B beside the base weight's
-    /// rows and long prompts' deltas go through the base GEMM (`lora_tail.rs`; opt-in until
-    /// measured).
+    /// LoRA sites keep their first slots' B beside the base weight's rows and long prompts'
+    /// deltas go through the base GEMM (`lora_tail.rs`; on unless `QUIVER_CUDA_LORA_TAIL=0`).
     lora_tail: bool,
+    /// Steps of rows (decode) add their deltas through the tail too (`QUIVER_CUDA_LORA_TAIL=rows`):
+    /// off by default, as it measured slower than the kernels (session 29, H100, 8B: +31.7%
+    /// against +11.0% a 16-row step with one adapter).
+    lora_tail_rows: bool,
     /// Steps of at least this many decode rows take the attention by KV head
     /// (`QUIVER_CUDA_ATTN_GQA_MIN_ROWS`).
     attn_gqa_min_rows: usize,
@@ -317,6 +320,15 @@ impl CudaDevice {
     /// tests run the LoRA checks both ways.
     pub fn with_lora_tail(mut self, on: bool) -> Self {
         self.lora_tail = on;
+        self.lora_tail_rows &= on;
+        self
+    }
+
+    /// Steps of rows through the tails too (`QUIVER_CUDA_LORA_TAIL=rows`) or not: the CUDA
+    /// tests check that path, which is off by default.
+    pub fn with_lora_tail_rows(mut self, on: bool) -> Self {
+        self.lora_tail |= on;
+        self.lora_tail_rows = on;
         self
     }
 
