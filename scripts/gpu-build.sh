@@ -17,7 +17,19 @@ for l in sys.stdin:
     cp "$exe" ".gpu/bin/$2"
 done
 strip .gpu/bin/* 2>/dev/null || true
-tok=${QUIVER_CACHE:-.cache}/ref/models/tiny-qwen2
+cache=${QUIVER_CACHE:-.cache}
+tok=$cache/ref/models/tiny-qwen2
+if [ ! -f "$tok/tokenizer.json" ]; then
+    # No test data yet (a fresh checkout): the same SmolLM2 tokenizer, saved from the GGUF.
+    make -s model venv >/dev/null
+    tok=$(mktemp -d)
+    "$cache/venv/bin/python" - "$(bash scripts/fetch-model.sh)" "$tok" <<'PY'
+import os, sys
+from transformers import AutoTokenizer
+gguf, out = sys.argv[1], sys.argv[2]
+AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(out)
+PY
+fi
 cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json .gpu/tok/
 [ -f "$tok/special_tokens_map.json" ] && cp "$tok/special_tokens_map.json" .gpu/tok/
 du -sh .gpu

@@ -24,6 +24,13 @@ use crate::lora::{LoraCall, LoraSiteBuffers, LoraTail, MAX_SLICES};
 /// on a 4096-wide weight; at decode sizes the probe (session 27) measured cuBLAS over K + 256 at
 /// 1.00-1.05x and K + 1024 at 1.04-1.17x the GEMM over K.
 const TAIL_MAX_COLS: usize = 512;
+/// `QUIVER_CUDA_LORA_TAIL_ONE_SHRINK=1` (opt-in, session 29, not yet run on a GPU): a long
+/// prompt's shrink into the tail as one GEMM a run where the slot's adapter has the pool's rank
+/// and one scaling for every slice (qkv's three shrink GEMMs a run become one, gate_up's two),
+/// instead of one a slice: each re-reads the run's x (16 MB at 2048 rows of 4096), and N = 16
+/// leaves cuBLAS's tiles mostly empty. What is left of a 2048-token prompt's +7.0% is mostly
+/// these GEMMs (7 a layer against the base's 4).
+static ONE_SHRINK: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| std::env::var_os("QUIVER_CUDA_LORA_TAIL_ONE_SHRINK").is_some_and(|v| v == "1"));
 /// Widest shrink (`n·R`) the rows' tail kernel holds (`lora_tail.cu` `TAIL_MAX_W`).
 const TAIL_MAX_W: usize = 192;
 
@@ -130,9 +137,18 @@ impl CudaDevice {
         // lora_tail_cols); the compute stream.
         unsafe { sys::cuMemsetD2D16Async(xb.ptr + (k * 2) as u64, xb.ld * 2, 0, tail_cols, m, self.stream) }.result().unwrap_or_else(|e| panic!("zeroing LoRA tail columns on {}: {e:?}", self.name));
         let fail = |e: anyhow::Error| -> ! { panic!("{}: LoRA tail shrink: {e:#}", self.name) };
+        let one_shrink = *ONE_SHRINK;
         for_runs(call, |r0, len, slot| {
             let r = ranks[slot] as usize;
+            let s = &scal[slot * MAX_SLICES..slot * MAX_SLICES + sh.n_slices];
             let xr = Mat { ptr: xb.ptr + (r0 * xb.ld * 2) as u64, ld: xb.ld };
+            if one_shrink && r == sh.max_rank && s.iter().all(|&v| v == s[0]) {
+                // At the pool's rank A's slices (at j·r) sit where t̂'s (at j·R) go, and one
+                // scaling serves all: one GEMM for the whole slot.
+                let t = Mat { ptr: xb.ptr + ((r0 * xb.ld + k + slot * nr) * 2) as u64, ld: xb.ld };
+                let aw = Mat { ptr: a + (slot * nr * k * 2) as u64, ld: k };
+                return self.blas.gemm_bf16_out(len, nr, k, aw, xr, t, s[0]).unwrap_or_else(|e| fail(e));
+            }
             for j in 0..sh.n_slices {
                 if r == 0 {
                     break;
