@@ -132,8 +132,9 @@ impl CudaDevice {
                 });
         if let Some(t) = ahead {
             if !fold {
-                // With the site's LoRA tail (`QUIVER_CUDA_LORA_TAIL=rows`): t̂ beside x, the delta in the GEMM.
-                if let Some(slots) = self.lora_tail_rows_fits(call, m, w) {
+                // With the site's LoRA tail (`QUIVER_CUDA_LORA_TAIL=rows|ahead`): t̂ beside x,
+                // the delta in the GEMM.
+                if let Some(slots) = self.lora_tail_rows_fits(call, m, w, true) {
                     return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, slots, Some(t));
                 }
                 // The norm computed the shrink: the expand in the epilogue where it takes it,
@@ -180,7 +181,7 @@ impl CudaDevice {
             self.lora_gemm_project(call, x, m, w, bias, y);
             return epilogue.run(self, y, m, w);
         }
-        if let Some(slots) = self.lora_tail_rows_fits(call, m, w) {
+        if let Some(slots) = self.lora_tail_rows_fits(call, m, w, false) {
             return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, slots, None);
         }
         let out = call.shape().out_dim();

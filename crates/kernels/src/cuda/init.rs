@@ -187,7 +187,7 @@ impl CudaDevice {
             weight_room: room("QUIVER_CUDA_WEIGHT_ROOM"),
             input_room: room("QUIVER_CUDA_INPUT_ROOM").into(),
             lora_tail: std::env::var_os("QUIVER_CUDA_LORA_TAIL").is_none_or(|v| v != "0"),
-            lora_tail_rows: std::env::var_os("QUIVER_CUDA_LORA_TAIL").is_some_and(|v| v == "rows"),
+            lora_tail_rows: lora_tail::TailRows::from_env(),
             draw_source: None,
             tp_agree: Default::default(),
             gpu_share: 1,

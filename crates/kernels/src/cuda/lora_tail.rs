@@ -6,12 +6,12 @@
 //! reads it back (`lora_gemm.rs`), ~22.5 GB a 2048-token 8B step. Long prompts
 //! (`lora_gemm_fits`) take it: a 2048-token prompt with one adapter measured +6.8% of the base
 //! step against +16.4% without (session 29, H100, 8B, rank 16 on all 7 projections). Steps of
-//! rows (decode) keep their kernels: through the tail (`QUIVER_CUDA_LORA_TAIL=rows`) a 16-row
-//! step measured +31.7% against +11.0%. cuBLAS over K + T costs what it does over K at 16
-//! rows (session 27's probe), so the loss is the rows' own t̂ kernel (`lora_tail_shrink`: one
-//! block a row reading its slot's whole A, 16-64 blocks on 132 SMs, for o and down whose shrink
-//! the norm does not compute) against the kernels' path, whose shrinks and expands run beside
-//! the GEMM or inside its epilogue.
+//! rows (decode) keep their kernels by default (`TailRows`): through the tail
+//! (`QUIVER_CUDA_LORA_TAIL=rows`) a 16-row step measured +31.7% against +11.0%. cuBLAS over
+//! K + T costs what it does over K at 16 rows (session 27's probe), so the loss is the rows'
+//! own t̂ kernel (`lora_tail_shrink`: one block a row reading its slot's whole A, 16-64 blocks
+//! on 132 SMs, for o and down whose shrink the norm does not compute) against the kernels'
+//! path, whose shrinks and expands run beside the GEMM or inside its epilogue.
 
 use super::blas::Mat;
 use super::lora::dev_buf;
@@ -31,6 +31,31 @@ const TAIL_MAX_COLS: usize = 512;
 /// leaves cuBLAS's tiles mostly empty. What is left of a 2048-token prompt's +7.0% is mostly
 /// these GEMMs (7 a layer against the base's 4).
 static ONE_SHRINK: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| std::env::var_os("QUIVER_CUDA_LORA_TAIL_ONE_SHRINK").is_some_and(|v| v == "1"));
+/// Which steps of rows (decode, 2+ rows) add their deltas through the tail
+/// (`QUIVER_CUDA_LORA_TAIL`): `Off` by default; `All` (`=rows`) every site whose tail holds the
+/// rows' slots, measured slower (session 29: +31.7% against +11.0% at 16 rows, +28.3% against
+/// +23.6% at 64); `Ahead` (`=ahead`, opt-in, not yet run on a GPU) only qkv and gate_up, whose
+/// shrink the norm before them computed: the t̂ kernel then only places it (no A read), the
+/// GEMM over K + T costs what it does over K (session 27's probe), and the RoPE / SiLU·mul
+/// epilogues lose their expand (9-17 µs a layer at 64 rows, session 25's ncu); o and down keep
+/// their delta beside the GEMM on the side stream.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum TailRows {
+    Off,
+    Ahead,
+    All,
+}
+
+impl TailRows {
+    pub(super) fn from_env() -> Self {
+        match std::env::var("QUIVER_CUDA_LORA_TAIL").as_deref() {
+            Ok("rows") => TailRows::All,
+            Ok("ahead") => TailRows::Ahead,
+            _ => TailRows::Off,
+        }
+    }
+}
+
 /// Widest shrink (`n·R`) the rows' tail kernel holds (`lora_tail.cu` `TAIL_MAX_W`).
 const TAIL_MAX_W: usize = 192;
 
@@ -169,11 +194,18 @@ impl CudaDevice {
         }
     }
 
-    /// The slots of `call`'s site tail, when a step of `m ≥ 2` rows over `w` can add its delta
-    /// through it (`lora_tail_rows`): the tail lives in `w` and holds every slot a row may use: every slot of the pool for a recorded step (it
-    /// replays under any adapter mix), the step's own slots for an eager one.
-    pub(super) fn lora_tail_rows_fits(&self, call: &LoraCall<'_>, m: usize, w: &Weight) -> Option<usize> {
-        if !self.lora_tail_rows || m <= GEMV_MAX_M || self.splits(w.rows, w.cols) || call.shape().shrink_width() > TAIL_MAX_W {
+    /// The slots of `call`'s site tail, when a step of `m ≥ 2` rows over `w` (`ahead`: whose
+    /// shrink the norm computed) can add its delta through it (`lora_tail_rows`): the mode
+    /// (`TailRows`) takes such steps, and the tail lives in `w` and holds every slot a row may
+    /// use: every slot of the pool for a recorded step (it replays under any adapter mix), the
+    /// step's own slots for an eager one.
+    pub(super) fn lora_tail_rows_fits(&self, call: &LoraCall<'_>, m: usize, w: &Weight, ahead: bool) -> Option<usize> {
+        let mode_takes = match self.lora_tail_rows {
+            TailRows::Off => false,
+            TailRows::Ahead => ahead,
+            TailRows::All => true,
+        };
+        if !mode_takes || m <= GEMV_MAX_M || self.splits(w.rows, w.cols) || call.shape().shrink_width() > TAIL_MAX_W {
             return None;
         }
         let slots = tail_of(call, w)?;

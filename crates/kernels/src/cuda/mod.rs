@@ -188,10 +188,10 @@ pub struct CudaDevice {
     /// LoRA sites keep their first slots' B beside the base weight's rows and long prompts'
     /// deltas go through the base GEMM (`lora_tail.rs`; on unless `QUIVER_CUDA_LORA_TAIL=0`).
     lora_tail: bool,
-    /// Steps of rows (decode) add their deltas through the tail too (`QUIVER_CUDA_LORA_TAIL=rows`):
-    /// off by default, as it measured slower than the kernels (session 29, H100, 8B: +31.7%
-    /// against +11.0% a 16-row step with one adapter).
-    lora_tail_rows: bool,
+    /// Which steps of rows (decode) add their deltas through the tail too
+    /// (`lora_tail::TailRows`): none by default, as every one measured slower than the kernels
+    /// (session 29, H100, 8B: +31.7% against +11.0% a 16-row step with one adapter).
+    lora_tail_rows: lora_tail::TailRows,
     /// Steps of at least this many decode rows take the attention by KV head
     /// (`QUIVER_CUDA_ATTN_GQA_MIN_ROWS`).
     attn_gqa_min_rows: usize,
@@ -320,7 +320,9 @@ impl CudaDevice {
     /// tests run the LoRA checks both ways.
     pub fn with_lora_tail(mut self, on: bool) -> Self {
         self.lora_tail = on;
-        self.lora_tail_rows &= on;
+        if !on {
+            self.lora_tail_rows = lora_tail::TailRows::Off;
+        }
         self
     }
 
@@ -328,7 +330,7 @@ impl CudaDevice {
     /// tests check that path, which is off by default.
     pub fn with_lora_tail_rows(mut self, on: bool) -> Self {
         self.lora_tail |= on;
-        self.lora_tail_rows = on;
+        self.lora_tail_rows = if on { lora_tail::TailRows::All } else { lora_tail::TailRows::Off };
         self
     }
 
