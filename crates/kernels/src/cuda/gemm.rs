@@ -134,8 +134,8 @@ impl CudaDevice {
             if !fold {
                 // With the site's LoRA tail (`QUIVER_CUDA_LORA_TAIL=rows|ahead`): t̂ beside x,
                 // the delta in the GEMM.
-                if let Some(slots) = self.lora_tail_rows_fits(call, m, w, true) {
-                    return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, slots, Some(t));
+                if let Some(tail) = self.lora_tail_rows_fits(call, m, w, true) {
+                    return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, tail, Some(t));
                 }
                 // The norm computed the shrink: the expand in the epilogue where it takes it,
                 // else right after the GEMM, then the epilogue.
@@ -181,8 +181,13 @@ impl CudaDevice {
             self.lora_gemm_project(call, x, m, w, bias, y);
             return epilogue.run(self, y, m, w);
         }
-        if let Some(slots) = self.lora_tail_rows_fits(call, m, w, false) {
-            return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, slots, None);
+        if let Some(tail) = self.lora_tail_rows_fits(call, m, w, false) {
+            return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, tail, None);
+        }
+        // A long eager step of short runs (opt-in): the kernels' grouped shrink into the tail.
+        if let Some(tail) = self.lora_tail_eager_fits(call, m, w) {
+            let t = self.lora_shrink_launch(call, LoraX::Dense(x)).map(|l| l.t);
+            return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, tail, t);
         }
         let out = call.shape().out_dim();
         let beside_all = self.lora_side.is_some() && call.groups.rows <= DELTA_BESIDE_MAX_ROWS && out == w.rows;

@@ -56,6 +56,21 @@ impl TailRows {
     }
 }
 
+/// `QUIVER_CUDA_LORA_TAIL_EAGER=1` (opt-in, session 29, not yet run on a GPU): eager steps of
+/// more rows than the norms shrink for, whose runs are too short for the prompts' GEMMs (16
+/// adapters' 128-token prompts in a 2048-token chunk: +44.7% of the base step through the
+/// kernels, whose expand streams y in f32), add their deltas through the tail with the kernels'
+/// grouped shrink (`lora_tail_eager_fits`).
+static EAGER: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| std::env::var_os("QUIVER_CUDA_LORA_TAIL_EAGER").is_some_and(|v| v == "1"));
+
+/// The tail a step of rows adds its delta through: the site tail's slot count, and the
+/// columns of it the step's GEMM reads.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct TailStep {
+    slots: usize,
+    cols: usize,
+}
+
 /// Widest shrink (`n·R`) the rows' tail kernel holds (`lora_tail.cu` `TAIL_MAX_W`).
 const TAIL_MAX_W: usize = 192;
 
@@ -199,37 +214,62 @@ impl CudaDevice {
     /// (`TailRows`) takes such steps, and the tail lives in `w` and holds every slot a row may
     /// use: every slot of the pool for a recorded step (it replays under any adapter mix), the
     /// step's own slots for an eager one.
-    pub(super) fn lora_tail_rows_fits(&self, call: &LoraCall<'_>, m: usize, w: &Weight, ahead: bool) -> Option<usize> {
+    pub(super) fn lora_tail_rows_fits(&self, call: &LoraCall<'_>, m: usize, w: &Weight, ahead: bool) -> Option<TailStep> {
         let mode_takes = match self.lora_tail_rows {
             TailRows::Off => false,
             TailRows::Ahead => ahead,
             TailRows::All => true,
         };
-        if !mode_takes || m <= GEMV_MAX_M || self.splits(w.rows, w.cols) || call.shape().shrink_width() > TAIL_MAX_W {
+        if !mode_takes {
+            return None;
+        }
+        self.lora_tail_step(call, m, w)
+    }
+
+    /// [`Self::lora_tail_rows_fits`] for an eager step of more rows than the norms compute the
+    /// shrink for (a prefill chunk whose prompts are shorter than the prompts' GEMMs take, or
+    /// prompts beside decode rows) under `QUIVER_CUDA_LORA_TAIL_EAGER=1`: its shrink then comes
+    /// from the kernels' grouped shrink (`lora_shrink_launch`), not from `lora_tail_shrink`'s
+    /// block a row.
+    pub(super) fn lora_tail_eager_fits(&self, call: &LoraCall<'_>, m: usize, w: &Weight) -> Option<TailStep> {
+        if !*EAGER || m <= lora_ahead::AHEAD_MAX_ROWS || self.recording.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        self.lora_tail_step(call, m, w)
+    }
+
+    /// The tail a step of `m ≥ 2` rows over `w` adds its delta through, when the tail lives in
+    /// `w` and holds every slot a row may use: every slot of the pool for a recorded step (it
+    /// replays under any adapter mix: the whole tail), the step's own slots for an eager one
+    /// (the tail's columns through its highest slot).
+    fn lora_tail_step(&self, call: &LoraCall<'_>, m: usize, w: &Weight) -> Option<TailStep> {
+        let sh = call.shape();
+        if m <= GEMV_MAX_M || self.splits(w.rows, w.cols) || sh.shrink_width() > TAIL_MAX_W {
             return None;
         }
         let slots = tail_of(call, w)?;
-        let covered = if self.recording.load(std::sync::atomic::Ordering::Relaxed) {
-            slots >= call.shape().slots
-        } else {
-            // The packed groups' tile slots (`kernels::lora::pack_tiles`).
-            let (g, cap) = (call.groups.packed, call.groups.rows);
-            let tiles = g[0] as usize;
-            g[1 + 3 * cap..1 + 3 * cap + tiles].iter().all(|&s| (s as usize) < slots)
-        };
-        covered.then_some(slots)
+        let WeightData::Cuda(_, _, ldw) = &w.data else { return None };
+        if self.recording.load(std::sync::atomic::Ordering::Relaxed) {
+            return (slots >= sh.slots).then_some(TailStep { slots, cols: ldw - w.cols });
+        }
+        // The packed groups' tile slots (`kernels::lora::pack_tiles`).
+        let (g, cap) = (call.groups.packed, call.groups.rows);
+        let tiles = g[0] as usize;
+        let hi = g[1 + 3 * cap..1 + 3 * cap + tiles].iter().map(|&s| s as usize + 1).max().unwrap_or(0);
+        // hi ≤ slots keeps the columns within the tail (slots·n·R rounded up to 8).
+        (hi <= slots).then_some(TailStep { slots, cols: (hi * sh.shrink_width()).next_multiple_of(8) })
     }
 
-    /// `y = [x | t̂]·[W | B̂]ᵀ (+ bias)` over a step's rows and the whole tail (its `slots`; the
-    /// launches do not depend on the step's adapters, so a recorded step replays under any
-    /// mix), then `epilogue`: one kernel writes
+    /// `y = [x | t̂]·[W | B̂]ᵀ (+ bias)` over a step's rows and the tail's columns `tail.cols`
+    /// (a recorded step: the whole tail, so its launches do not depend on the step's adapters
+    /// and it replays under any mix), then `epilogue`: one kernel writes
     /// each row's scaled shrink (from `t_ahead`, the norm's, or its own from x) beside x's bf16
     /// copy and zeros in the other slots' columns (`lora_tail_shrink`), one GEMM adds every
     /// row's delta. Replaces the shrink, the expand and the LoRA epilogue of the kernels' path.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn lora_tail_rows(&self, call: &LoraCall<'_>, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor, slots: usize, t_ahead: Option<u64>) {
+    pub(super) fn lora_tail_rows(&self, call: &LoraCall<'_>, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor, tail: TailStep, t_ahead: Option<u64>) {
         let WeightData::Cuda(wb, DType::Bf16, ldw) = &w.data else { unreachable!("lora_tail_rows_fits takes bf16 weights") };
-        let (n, k, cols) = (w.rows, w.cols, ldw - w.cols);
+        let (n, k, TailStep { slots, cols }) = (w.rows, w.cols, tail);
         let xb = self.bf16_input(x, m, k);
         assert!(xb.ld >= k + cols, "a GEMM input without room for its LoRA tail ({} < {})", xb.ld, k + cols);
         let sh = *call.shape();
