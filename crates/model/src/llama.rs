@@ -167,10 +167,13 @@ impl LlamaModel {
             return;
         }
         let dev = self.device.clone();
+        let mut added = 0usize;
         for (l, layer) in self.layers.iter_mut().enumerate() {
-            let attach = |site: LinearSite, w: &mut Weight| {
+            let mut attach = |site: LinearSite, w: &mut Weight| {
                 if let Some((b, _)) = pool.site(l, site) {
+                    let before = w.size_bytes();
                     dev.lora_attach_tail(w, b);
+                    added += w.size_bytes().saturating_sub(before);
                 }
             };
             attach(LinearSite::Qkv, &mut layer.qkv);
@@ -179,6 +182,10 @@ impl LlamaModel {
                 attach(LinearSite::GateUp, gate_up);
                 attach(LinearSite::Down, down);
             }
+        }
+        // Said at start-up: the tails' memory comes out of what the KV cache is sized from.
+        if added > 0 {
+            tracing::info!("LoRA tails beside the base weights: {:.0} MiB (long prompts' deltas inside the base GEMMs)", added as f64 / (1 << 20) as f64);
         }
     }
 
