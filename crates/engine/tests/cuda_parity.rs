@@ -143,30 +143,35 @@ fn cuda_bf16_matches_cpu_f32_on_smollm2_shaped_weights() {
 const GPU_ADAPTERS: [&str; 5] = ["a-qv-r8", "b-all-r16-rslora", "c-patterns", "d-embed-head", "e-qk-r4"];
 
 /// Every adapter's cases and some base cases in batched forwards on CUDA (the short prompts in
-/// one, the long ones in another), each row's logprobs against its own reference; then each
-/// adapter's greedy continuations through the generator (single-row decode steps: graphs).
+/// one, the long ones in another, then the cases of 256 rows and more alone in a third, so that
+/// every run is long enough for the prompts' GEMMs or LoRA tails), each row's logprobs against
+/// its own reference; then each adapter's greedy continuations through the generator
+/// (single-row decode steps: graphs). The model's LoRA tails are attached as the engine does.
 #[test]
 #[ignore = "needs a CUDA GPU and scripts/gpu_models.py output: run by scripts/gpu-check.sh"]
 fn peft_adapters_mixed_batch_on_cuda_match_transformers() {
-    let lm = load_on("llama-gpu", DeviceKind::Cuda(0), DType::Bf16);
-    let m = &lm.model;
-    let vocab = m.config.vocab_size;
+    let mut lm = load_on("llama-gpu", DeviceKind::Cuda(0), DType::Bf16);
     let cfg = LoraConfig { max_loras_per_batch: 8, max_lora_rank: 16, target_modules: LoraModule::ALL.to_vec(), ..Default::default() };
-    let mut mgr = LoraManager::new(m.lora_dims(), cfg, m.device.clone()).unwrap();
-    if let Some(ranks) = m.tp_ranks() {
+    let mut mgr = LoraManager::new(lm.model.lora_dims(), cfg, lm.model.device.clone()).unwrap();
+    if let Some(ranks) = lm.model.tp_ranks() {
         mgr.shard_pool(&ranks).unwrap();
     }
+    lm.model.attach_lora_tails(mgr.pool());
+    let m = &lm.model;
+    let vocab = m.config.vocab_size;
     let keys: Vec<AdapterKey> = GPU_ADAPTERS.iter().map(|a| mgr.load_adapter(a, gpu_data_dir().join("adapters").join(a)).unwrap_or_else(|e| panic!("{a}: {e}"))).collect();
     let refs: Vec<RefFile> = GPU_ADAPTERS.iter().map(|a| read_ref(&format!("llama-gpu-{a}"))).collect();
     let base = read_ref("llama-gpu");
     let mut worst: Vec<f32> = vec![0.0; GPU_ADAPTERS.len() + 1];
-    for long in [false, true] {
+    let passes: [&dyn Fn(&RefCase) -> bool; 3] =
+        [&|c| c.prompt_ids.len() <= 100, &|c| c.prompt_ids.len() > 100, &|c| c.prompt_ids.len() + c.continuation_ids.len() >= 256];
+    for take in passes {
         let mut seqs: Vec<(Option<usize>, &RefCase)> = Vec::new();
         for (i, r) in refs.iter().enumerate() {
-            for c in r.cases.iter().filter(|c| (c.prompt_ids.len() > 100) == long) {
+            for c in r.cases.iter().filter(|c| take(c)) {
                 seqs.push((Some(i), c));
                 if seqs.len().is_multiple_of(3) {
-                    if let Some(b) = base.cases.iter().filter(|b| (b.prompt_ids.len() > 100) == long).nth(seqs.len() / 3 % 4) {
+                    if let Some(b) = base.cases.iter().filter(|b| take(b)).nth(seqs.len() / 3 % 4) {
                         seqs.push((None, b));
                     }
                 }
