@@ -25,7 +25,7 @@ step_cost() { # name, adapters, env settings...
     step "step-a$ads-$name" env "$@" .gpu/bin/quiver bench lora --device cuda --dtype bf16 --part step \
         --model "$DATA/models/llama8b" --ranks 16 --adapters $ads --rows 1,16,64,256 --prefill 2048 --backends auto --steps 15
     echo "-- $ads adapter(s), $*"
-    grep -hE "^(auto|CUDA graphs)" "$LOGS/step-a$ads-$name.log"
+    grep -hE "^(auto|CUDA graphs|activation)" "$LOGS/step-a$ads-$name.log"
 }
 step_cost default 1 QUIVER_CUDA_LORA_TAIL=1
 step_cost one-shrink 1 $one

@@ -565,7 +565,8 @@ def bench_serve_counts_match_server(S):
 def bench_lora_reports_kernels_and_step(S):
     """`quiver bench lora` end to end on the real model, small: the kernel part reports a point
     per (shape, layout, rank, adapters, rows, backend) with finite positive rates next to the
-    machine's measured peaks, and the step part a base and a LoRA time per backend. Bad sizes
+    machine's measured peaks, and the step part a base and a LoRA time per backend and the
+    activation time of an adapter. Bad sizes
     are refused with a message."""
     model = S.cmd[S.cmd.index("--model") + 1:][:1] if "--model" in S.cmd else []
     out = os.path.join(tempfile.mkdtemp(prefix="quiver-bench-lora-"), "lora.json")
@@ -582,6 +583,9 @@ def bench_lora_reports_kernels_and_step(S):
         check(x["us_per_layer"] > 0 and 0 < x["gflops"] < 10 * x["peak_gflops"] and x["gbps"] > 0 and x["bandwidth_gbps"] > 0, x)
     st = rep["results"]
     check(sorted(x["backend"] for x in st) == ["auto", "chunked"] and all(x["base_ms"] > 0 and x["lora_ms"] > 0 for x in st), st)
+    # The step part also times an adapter's activation into a pool, per rank.
+    act = rep["activation"]
+    check(len(act) == 1 and act[0]["rank"] == 4 and act[0]["slots"] == 2 and 0 < act[0]["again_ms"] < 10_000, act)
     bad = subprocess.run([S.cmd[0], "bench", "lora", "--kernel-rows", "0"], capture_output=True, text=True, timeout=60)
     check(bad.returncode != 0 and "at least 1" in bad.stderr, bad.stderr[-500:])
 

@@ -12,7 +12,8 @@ use crate::bench_generate::median;
 use anyhow::Result;
 use clap::Args;
 use quiver_kernels::{DType, DeviceKind};
-use quiver_lora::{AdapterKey, LoraAdapter, LoraConfig, LoraHook, LoraManager, LoraModule, NoLora};
+use quiver_lora::mem_pool::LoraMemoryPool;
+use quiver_lora::{AdapterId, AdapterKey, EvictionPolicy, LoraAdapter, LoraConfig, LoraHook, LoraManager, LoraModule, NoLora};
 use rayon::prelude::*;
 use quiver_model::{ForwardBatch, LlamaModel, LogitsFor};
 use std::path::PathBuf;
@@ -147,17 +148,41 @@ pub fn run(a: BenchLoraArgs) -> Result<()> {
             DeviceKind::Xpu(_) | DeviceKind::OpenCl(_) => anyhow::bail!("--device {}: the kernel part has no OpenCL version yet; run --part step", a.device),
         };
     }
-    let mut out = Vec::new();
+    let (mut out, mut activation) = (Vec::new(), Vec::new());
     if a.part != "kernels" {
-        out = run_step(&a)?;
+        (out, activation) = run_step(&a)?;
     }
     if let Some(p) = &a.output_json {
-        std::fs::write(p, serde_json::to_string_pretty(&serde_json::json!({"bench": "lora", "kernels": kernels, "results": out}))?)?;
+        std::fs::write(p, serde_json::to_string_pretty(&serde_json::json!({"bench": "lora", "kernels": kernels, "results": out, "activation": activation}))?)?;
     }
     Ok(())
 }
 
-fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
+/// Activation as served: one adapter into a slot of a pool the model's LoRA tails are attached
+/// to, as the engine's are (on CUDA each slot write also writes its B into the tails, on the
+/// compute stream), until the device is done; the median of the loads after the first (which
+/// makes the adapter's image).
+fn activation(model: &mut LlamaModel, adapter: &LoraAdapter, slots: usize, rank: usize, modules: &[LoraModule]) -> Result<serde_json::Value> {
+    let mut pool = LoraMemoryPool::new(model.device.clone(), model.lora_dims(), slots, rank, modules, EvictionPolicy::Lru)?;
+    model.attach_lora_tails(&pool);
+    let mut times = Vec::new();
+    for i in 0..8 {
+        let slot = i % slots;
+        if pool.owner(slot).is_some() {
+            pool.free_slot(slot);
+        }
+        let t0 = Instant::now();
+        pool.load(slot, AdapterKey { id: AdapterId(i as u32 + 1), version: i as u64 + 1 }, adapter)?;
+        model.device.wait();
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    let (first, again) = (times[0], median(times[1..].to_vec()));
+    println!("activation, rank {rank}, a pool of {slots} as served (with the device's LoRA tails where it keeps them): {again:.2} ms (median of {}; the first {first:.2} ms, its image made)", times.len() - 1);
+    Ok(serde_json::json!({"rank": rank, "slots": slots, "device": model.device.kind().to_string(), "first_ms": first, "again_ms": again}))
+}
+
+/// The step part's points, and the activation time per rank.
+fn run_step(a: &BenchLoraArgs) -> Result<(Vec<serde_json::Value>, Vec<serde_json::Value>)> {
     let (mut lm, label) = a.shape.model_or_file(a.model.clone(), a.device, a.dtype)?;
     let m = &lm.model;
     let dims = m.lora_dims();
@@ -174,7 +199,7 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
     // assumes all seven are targeted).
     let per_rank = (dims.num_layers * ((h + q) + 2 * (h + kv) + (q + h) + 3 * (h + inter))) as f64;
     println!("{:<10} {:>5} {:>4} {:>5} {:>10} {:>10} {:>8}", "backend", "rank", "ads", "rows", "base ms", "lora ms", "cost");
-    let mut out = Vec::new();
+    let (mut out, mut activations) = (Vec::new(), Vec::new());
     let max_ads = a.adapters.iter().copied().max().unwrap_or(1);
     // One prompt per adapter, at least one token each.
     if let Some(&p) = a.prefill.iter().find(|&&p| p < max_ads) {
@@ -243,9 +268,10 @@ fn run_step(a: &BenchLoraArgs) -> Result<Vec<serde_json::Value>> {
                 }
             }
         }
+        activations.push(activation(&mut lm.model, &adapters[0], max_ads, rank, &modules)?);
     }
     if let Some(s) = lm.model.device.stats() {
         println!("{s}");
     }
-    Ok(out)
+    Ok((out, activations))
 }
