@@ -46,7 +46,7 @@ impl CudaDevice {
         let (n, k) = (w.rows, w.cols);
         let splits = self.splits(n, k);
         let covered = call.groups.adapter_rows == m && !splits && self.lora_gemm_first;
-        let tail = !splits && self.lora_tail && call.buffers.tail.lock().unwrap().is_some();
+        let tail = !splits && self.lora_tail.on && call.buffers.tail.lock().unwrap().is_some();
         if !covered && !tail {
             let xb = self.matmul_input(x, m, w, bias, y).expect("lora_gemm_fits takes bf16 weights past the GEMV's rows");
             let tb = self.lora_gemm_shrink(call, m, xb);

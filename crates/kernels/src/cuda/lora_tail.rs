@@ -24,44 +24,62 @@ use crate::lora::{LoraCall, LoraSiteBuffers, LoraTail, MAX_SLICES};
 /// on a 4096-wide weight; at decode sizes the probe (session 27) measured cuBLAS over K + 256 at
 /// 1.00-1.05x and K + 1024 at 1.04-1.17x the GEMM over K.
 const TAIL_MAX_COLS: usize = 512;
-/// `QUIVER_CUDA_LORA_TAIL_ONE_SHRINK=1` (opt-in, session 29, not yet run on a GPU): a long
-/// prompt's shrink into the tail as one GEMM a run where the slot's adapter has the pool's rank
-/// and one scaling for every slice (qkv's three shrink GEMMs a run become one, gate_up's two),
-/// instead of one a slice: each re-reads the run's x (16 MB at 2048 rows of 4096), and N = 16
-/// leaves cuBLAS's tiles mostly empty. What is left of a 2048-token prompt's +7.0% is mostly
-/// these GEMMs (7 a layer against the base's 4).
-static ONE_SHRINK: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| std::env::var_os("QUIVER_CUDA_LORA_TAIL_ONE_SHRINK").is_some_and(|v| v == "1"));
-/// Which steps of rows (decode, 2+ rows) add their deltas through the tail
-/// (`QUIVER_CUDA_LORA_TAIL`): `Off` by default; `All` (`=rows`) every site whose tail holds the
-/// rows' slots, measured slower (session 29: +31.7% against +11.0% at 16 rows, +28.3% against
-/// +23.6% at 64); `Ahead` (`=ahead`, opt-in, not yet run on a GPU) only qkv and gate_up, whose
-/// shrink the norm before them computed: the t̂ kernel then only places it (no A read), the
-/// GEMM over K + T costs what it does over K (session 27's probe), and the RoPE / SiLU·mul
-/// epilogues lose their expand (9-17 µs a layer at 64 rows, session 25's ncu); o and down keep
-/// their delta beside the GEMM on the side stream.
+/// Which steps add their deltas through the tails (`QUIVER_CUDA_LORA_TAIL`,
+/// `QUIVER_CUDA_LORA_TAIL_ONE_SHRINK`, `QUIVER_CUDA_LORA_TAIL_EAGER`, read once at start-up; a
+/// value outside those named below is an error naming the variable).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct TailConfig {
+    /// Tails at all: long prompts' deltas in the base GEMM (on unless `QUIVER_CUDA_LORA_TAIL=0`).
+    pub(super) on: bool,
+    /// Steps of rows (decode, 2+ rows) through the tail too.
+    pub(super) rows: TailRows,
+    /// `QUIVER_CUDA_LORA_TAIL_ONE_SHRINK=1` (opt-in, session 29, not yet run on a GPU): a long
+    /// prompt's shrink into the tail as one GEMM a run where the slot's adapter has the pool's
+    /// rank and one scaling for every slice (qkv's three shrink GEMMs a run become one,
+    /// gate_up's two), instead of one a slice: each re-reads the run's x (16 MB at 2048 rows of
+    /// 4096), and N = 16 leaves cuBLAS's tiles mostly empty. What is left of a 2048-token
+    /// prompt's +7.0% is mostly these GEMMs (7 a layer against the base's 4).
+    one_shrink: bool,
+    /// `QUIVER_CUDA_LORA_TAIL_EAGER=1` (opt-in, session 29, not yet run on a GPU): eager steps
+    /// of more rows than the norms shrink for, whose runs are too short for the prompts' GEMMs
+    /// (16 adapters' 128-token prompts in a 2048-token chunk: +44.7% of the base step through
+    /// the kernels, whose expand streams y in f32), add their deltas through the tail with the
+    /// kernels' grouped shrink (`lora_tail_eager_fits`).
+    eager: bool,
+}
+
+impl TailConfig {
+    pub(super) fn from_env() -> Result<Self> {
+        let flag = |var: &str| match std::env::var(var).as_deref() {
+            Err(_) | Ok("0") => Ok(false),
+            Ok("1") => Ok(true),
+            Ok(v) => Err(anyhow::anyhow!("{var}={v:?}: 0 or 1")),
+        };
+        let (on, rows) = match std::env::var("QUIVER_CUDA_LORA_TAIL").as_deref() {
+            Err(_) | Ok("1") => (true, TailRows::Off),
+            Ok("0") => (false, TailRows::Off),
+            Ok("ahead") => (true, TailRows::Ahead),
+            Ok("rows") => (true, TailRows::All),
+            Ok(v) => anyhow::bail!("QUIVER_CUDA_LORA_TAIL={v:?}: 0, 1, ahead or rows"),
+        };
+        Ok(TailConfig { on, rows, one_shrink: flag("QUIVER_CUDA_LORA_TAIL_ONE_SHRINK")?, eager: flag("QUIVER_CUDA_LORA_TAIL_EAGER")? })
+    }
+}
+
+/// Which steps of rows (decode, 2+ rows) add their deltas through the tail: `Off` by default;
+/// `All` (`QUIVER_CUDA_LORA_TAIL=rows`) every site whose tail holds the rows' slots, measured
+/// slower (session 29: +31.7% against +11.0% at 16 rows, +28.3% against +23.6% at 64); `Ahead`
+/// (`=ahead`, opt-in, not yet run on a GPU) only qkv and gate_up, whose shrink the norm before
+/// them computed: the t̂ kernel then only places it (no A read), the GEMM over K + T costs
+/// what it does over K (session 27's probe), and the RoPE / SiLU·mul epilogues lose their
+/// expand (9-17 µs a layer at 64 rows, session 25's ncu); o and down keep their delta beside
+/// the GEMM on the side stream.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) enum TailRows {
     Off,
     Ahead,
     All,
 }
-
-impl TailRows {
-    pub(super) fn from_env() -> Self {
-        match std::env::var("QUIVER_CUDA_LORA_TAIL").as_deref() {
-            Ok("rows") => TailRows::All,
-            Ok("ahead") => TailRows::Ahead,
-            _ => TailRows::Off,
-        }
-    }
-}
-
-/// `QUIVER_CUDA_LORA_TAIL_EAGER=1` (opt-in, session 29, not yet run on a GPU): eager steps of
-/// more rows than the norms shrink for, whose runs are too short for the prompts' GEMMs (16
-/// adapters' 128-token prompts in a 2048-token chunk: +44.7% of the base step through the
-/// kernels, whose expand streams y in f32), add their deltas through the tail with the kernels'
-/// grouped shrink (`lora_tail_eager_fits`).
-static EAGER: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| std::env::var_os("QUIVER_CUDA_LORA_TAIL_EAGER").is_some_and(|v| v == "1"));
 
 /// The tail a step of rows adds its delta through: the site tail's slot count, and the
 /// columns of it the step's GEMM reads.
@@ -89,7 +107,7 @@ impl CudaDevice {
         let sh = site.shape;
         let nr = sh.shrink_width();
         let slots = sh.slots.min(TAIL_MAX_COLS / nr.max(1));
-        if !self.lora_tail || slots == 0 || w.cols != sh.in_dim || w.rows != sh.out_dim() {
+        if !self.lora_tail.on || slots == 0 || w.cols != sh.in_dim || w.rows != sh.out_dim() {
             return;
         }
         let WeightData::Cuda(old, DType::Bf16, old_ld) = &w.data else { return };
@@ -177,7 +195,7 @@ impl CudaDevice {
         // lora_tail_cols); the compute stream.
         unsafe { sys::cuMemsetD2D16Async(xb.ptr + (k * 2) as u64, xb.ld * 2, 0, tail_cols, m, self.stream) }.result().unwrap_or_else(|e| panic!("zeroing LoRA tail columns on {}: {e:?}", self.name));
         let fail = |e: anyhow::Error| -> ! { panic!("{}: LoRA tail shrink: {e:#}", self.name) };
-        let one_shrink = *ONE_SHRINK;
+        let one_shrink = self.lora_tail.one_shrink;
         for_runs(call, |r0, len, slot| {
             let r = ranks[slot] as usize;
             let s = &scal[slot * MAX_SLICES..slot * MAX_SLICES + sh.n_slices];
@@ -215,7 +233,7 @@ impl CudaDevice {
     /// use: every slot of the pool for a recorded step (it replays under any adapter mix), the
     /// step's own slots for an eager one.
     pub(super) fn lora_tail_rows_fits(&self, call: &LoraCall<'_>, m: usize, w: &Weight, ahead: bool) -> Option<TailStep> {
-        let mode_takes = match self.lora_tail_rows {
+        let mode_takes = match self.lora_tail.rows {
             TailRows::Off => false,
             TailRows::Ahead => ahead,
             TailRows::All => true,
@@ -232,7 +250,7 @@ impl CudaDevice {
     /// from the kernels' grouped shrink (`lora_shrink_launch`), not from `lora_tail_shrink`'s
     /// block a row.
     pub(super) fn lora_tail_eager_fits(&self, call: &LoraCall<'_>, m: usize, w: &Weight) -> Option<TailStep> {
-        if !*EAGER || m <= lora_ahead::AHEAD_MAX_ROWS || self.recording.load(std::sync::atomic::Ordering::Relaxed) {
+        if !self.lora_tail.eager || m <= lora_ahead::AHEAD_MAX_ROWS || self.recording.load(std::sync::atomic::Ordering::Relaxed) {
             return None;
         }
         self.lora_tail_step(call, m, w)

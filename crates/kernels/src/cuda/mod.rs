@@ -186,12 +186,8 @@ pub struct CudaDevice {
     /// (`lora_tail.rs`).
     input_room: std::sync::atomic::AtomicUsize,
     /// LoRA sites keep their first slots' B beside the base weight's rows and long prompts'
-    /// deltas go through the base GEMM (`lora_tail.rs`; on unless `QUIVER_CUDA_LORA_TAIL=0`).
-    lora_tail: bool,
-    /// Which steps of rows (decode) add their deltas through the tail too
-    /// (`lora_tail::TailRows`): none by default, as every one measured slower than the kernels
-    /// (session 29, H100, 8B: +31.7% against +11.0% a 16-row step with one adapter).
-    lora_tail_rows: lora_tail::TailRows,
+    /// deltas go through the base GEMM (`lora_tail.rs`; `QUIVER_CUDA_LORA_TAIL*`): which steps do.
+    lora_tail: lora_tail::TailConfig,
     /// Steps of at least this many decode rows take the attention by KV head
     /// (`QUIVER_CUDA_ATTN_GQA_MIN_ROWS`).
     attn_gqa_min_rows: usize,
@@ -319,9 +315,9 @@ impl CudaDevice {
     /// LoRA tails on or off whatever `QUIVER_CUDA_LORA_TAIL` says (`lora_tail.rs`): the CUDA
     /// tests run the LoRA checks both ways.
     pub fn with_lora_tail(mut self, on: bool) -> Self {
-        self.lora_tail = on;
+        self.lora_tail.on = on;
         if !on {
-            self.lora_tail_rows = lora_tail::TailRows::Off;
+            self.lora_tail.rows = lora_tail::TailRows::Off;
         }
         self
     }
@@ -329,8 +325,8 @@ impl CudaDevice {
     /// Steps of rows through the tails too (`QUIVER_CUDA_LORA_TAIL=rows`) or not: the CUDA
     /// tests check that path, which is off by default.
     pub fn with_lora_tail_rows(mut self, on: bool) -> Self {
-        self.lora_tail |= on;
-        self.lora_tail_rows = if on { lora_tail::TailRows::All } else { lora_tail::TailRows::Off };
+        self.lora_tail.on |= on;
+        self.lora_tail.rows = if on { lora_tail::TailRows::All } else { lora_tail::TailRows::Off };
         self
     }
 
