@@ -11,7 +11,7 @@
 use crate::bench_generate::median;
 use anyhow::Result;
 use clap::Args;
-use quiver_kernels::{DType, DeviceKind};
+use quiver_kernels::{DType, Device, DeviceKind};
 use quiver_lora::mem_pool::LoraMemoryPool;
 use quiver_lora::{AdapterId, AdapterKey, EvictionPolicy, LoraAdapter, LoraConfig, LoraHook, LoraManager, LoraModule, NoLora};
 use rayon::prelude::*;
@@ -165,20 +165,30 @@ pub fn run(a: BenchLoraArgs) -> Result<()> {
 fn activation(model: &mut LlamaModel, adapter: &LoraAdapter, slots: usize, rank: usize, modules: &[LoraModule]) -> Result<serde_json::Value> {
     let mut pool = LoraMemoryPool::new(model.device.clone(), model.lora_dims(), slots, rank, modules, EvictionPolicy::Lru)?;
     model.attach_lora_tails(&pool);
-    let mut times = Vec::new();
-    for i in 0..8 {
+    let times: Vec<f64> = activation_times(&mut pool, adapter, 8, &*model.device)?.into_iter().map(|t| t.1).collect();
+    let (first, again) = (times[0], median(times[1..].to_vec()));
+    println!("activation, rank {rank}, a pool of {slots} as served (with the device's LoRA tails where it keeps them): {again:.2} ms (median of {}; the first {first:.2} ms, its image made)", times.len() - 1);
+    Ok(serde_json::json!({"rank": rank, "slots": slots, "device": model.device.kind().to_string(), "first_ms": first, "again_ms": again}))
+}
+
+/// Loads `adapter` `loads` times into `pool`'s slots in turn (each freed first), each until
+/// `dev` is done: per load, the host's ms (queuing the copies) and the whole ms. The first load
+/// of an adapter makes its image (bf16, page-locked); the next ones copy from it.
+pub(crate) fn activation_times(pool: &mut LoraMemoryPool, adapter: &LoraAdapter, loads: usize, dev: &dyn Device) -> Result<Vec<(f64, f64)>> {
+    let slots = pool.num_slots();
+    let mut times = Vec::with_capacity(loads);
+    for i in 0..loads {
         let slot = i % slots;
         if pool.owner(slot).is_some() {
             pool.free_slot(slot);
         }
         let t0 = Instant::now();
         pool.load(slot, AdapterKey { id: AdapterId(i as u32 + 1), version: i as u64 + 1 }, adapter)?;
-        model.device.wait();
-        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        let host = t0.elapsed().as_secs_f64() * 1e3;
+        dev.wait();
+        times.push((host, t0.elapsed().as_secs_f64() * 1e3));
     }
-    let (first, again) = (times[0], median(times[1..].to_vec()));
-    println!("activation, rank {rank}, a pool of {slots} as served (with the device's LoRA tails where it keeps them): {again:.2} ms (median of {}; the first {first:.2} ms, its image made)", times.len() - 1);
-    Ok(serde_json::json!({"rank": rank, "slots": slots, "device": model.device.kind().to_string(), "first_ms": first, "again_ms": again}))
+    Ok(times)
 }
 
 /// The step part's points, and the activation time per rank.

@@ -18,7 +18,7 @@ use quiver_kernels::{AttnBatch, Device, Tensor};
 use quiver_lora::backend::create_backend;
 use quiver_lora::batch::LoraBatchInfo;
 use quiver_lora::mem_pool::LoraMemoryPool;
-use quiver_lora::{AdapterId, AdapterKey, EvictionPolicy, LinearSite, LoraAdapter, LoraModelDims, LoraModule, SiteRef};
+use quiver_lora::{EvictionPolicy, LinearSite, LoraAdapter, LoraModelDims, LoraModule, SiteRef};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -59,21 +59,9 @@ pub fn run(a: &GpuKernelArgs<'_>) -> Result<Vec<serde_json::Value>> {
     for &rank in a.ranks {
         let adapter = LoraAdapter::synthetic("bench", &d, &LoraModule::PROJECTIONS, rank, 2.0 * rank as f32, 0.01, 11 + rank as u64)?;
         let mut pool = LoraMemoryPool::new(dev.clone(), d, max_ads, rank, &LoraModule::PROJECTIONS, EvictionPolicy::Lru)?;
-        // Activation: the first load of an adapter makes its image (bf16, page-locked), the next
-        // ones copy from it; the host's share (queuing) and the whole (until the copies land).
+        // Activation: the host's share (queuing) and the whole (until the copies land).
         let per_adapter = pool.size_bytes() as f64 / max_ads as f64;
-        let mut times = Vec::new();
-        for s in 0..max_ads.max(4) {
-            let slot = s % max_ads;
-            if pool.owner(slot).is_some() {
-                pool.free_slot(slot);
-            }
-            let t0 = Instant::now();
-            pool.load(slot, AdapterKey { id: AdapterId(s as u32 + 1), version: s as u64 + 1 }, &adapter)?;
-            let host = t0.elapsed().as_secs_f64() * 1e3;
-            dev.wait();
-            times.push((host, t0.elapsed().as_secs_f64() * 1e3));
-        }
+        let times = crate::bench_lora::activation_times(&mut pool, &adapter, max_ads.max(4), &*dev)?;
         let again: Vec<(f64, f64)> = times[1..].to_vec();
         let med = |f: &dyn Fn(&(f64, f64)) -> f64| {
             let mut v: Vec<f64> = again.iter().map(f).collect();
