@@ -2,6 +2,7 @@
 //! for more rows, with the bf16 input shadow that saves a conversion pass.
 
 use super::lora::{GemvLoraArgs, DELTA_BESIDE_MAX_ROWS};
+use super::lora_ahead::LoraAhead;
 use super::*;
 
 /// Which cuBLAS bf16 GEMMs take their f32 input as a bf16 hi + lo pair (two GEMMs, the second
@@ -130,12 +131,13 @@ impl CudaDevice {
                     lora::Row1Lora::BesideResidual => matches!(epilogue, Epilogue::Residual { .. }),
                     lora::Row1Lora::Beside => true,
                 });
-        if let Some(t) = ahead {
+        if let Some(a) = ahead {
+            let t = a.t;
             if !fold {
                 // With the site's LoRA tail (`QUIVER_CUDA_LORA_TAIL=rows|ahead`): t̂ beside x,
                 // the delta in the GEMM.
                 if let Some(tail) = self.lora_tail_rows_fits(call, m, w, true) {
-                    return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, tail, Some(t));
+                    return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, tail, Some(a));
                 }
                 // The norm computed the shrink: the expand in the epilogue where it takes it,
                 // else right after the GEMM, then the epilogue.
@@ -148,7 +150,7 @@ impl CudaDevice {
             }
         }
         let fused = match (fold, ahead) {
-            (true, Some(t)) => Some(self.lora_gemv_args_ahead(call, t)),
+            (true, Some(a)) => Some(self.lora_gemv_args_ahead(call, a.t)),
             (true, None) => self.lora_gemv_args(call, self.gemv1_lora_blocks(w, &epilogue)),
             (false, _) => None,
         };
@@ -186,7 +188,7 @@ impl CudaDevice {
         }
         // A long eager step of short runs (opt-in): the kernels' grouped shrink into the tail.
         if let Some(tail) = self.lora_tail_eager_fits(call, m, w) {
-            let t = self.lora_shrink_launch(call, LoraX::Dense(x)).map(|l| l.t);
+            let t = self.lora_shrink_launch(call, LoraX::Dense(x)).map(|l| LoraAhead { t: l.t, placed: None });
             return self.lora_tail_rows(call, x, m, w, bias, epilogue, y, tail, t);
         }
         let out = call.shape().out_dim();

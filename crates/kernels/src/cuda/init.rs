@@ -38,6 +38,7 @@ impl CudaDevice {
             lora_expert_groups: DevBuf::zeroed(&ctx, 0)?,
             lora_ahead_t: DevBuf::zeroed(&ctx, 0)?,
             lora_ahead: None,
+            lora_ahead_placed: None,
             lora_deferred: None,
             gemv_lora_ctr: DevBuf::zeroed(&ctx, 16)?,
             row_seq: None,

@@ -68,7 +68,8 @@ __device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, cons
                                                      const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks,
                                                      int n_slices, int R, float* __restrict__ t,
                                                      const float* __restrict__ xp, int in_p, const bf16_t* __restrict__ Ap, const bf16_t* __restrict__ Btp,
-                                                     const u32* __restrict__ ranks_p, const float* __restrict__ scal_p, int R_p, int b_ld_p) {
+                                                     const u32* __restrict__ ranks_p, const float* __restrict__ scal_p, int R_p, int b_ld_p,
+                                                     const float* __restrict__ scal, int tail_cols) {
     __shared__ __align__(16) float hw[LAH_MAX_SLICE]; // h·w over this block's slice
     __shared__ float part[1 + LAH_MAX_W];              // [0] Σ h², [1 + j] this slice's part of t_j
     __shared__ float sh[33];
@@ -192,6 +193,24 @@ __device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, cons
         for (u32 b = 0; b < LAH_CL; ++b) s += ld_cluster(&part[1 + j], b);
         t[(size_t)pos * W + j] = s * inv;
     }
+    if (outb) {
+        // The site's LoRA tail (tail_cols > 0, lora_tail.rs `TailRows`): t̂ beside the bf16 copy,
+        // s_j·t_j in column slot·W + j·R + i of slice j's rank index i, zeros in every other
+        // column (other slots, base rows), as `lora_tail_shrink` would place it.
+        const int rank = nr / n_slices;
+        bf16_t* tb = outb + (size_t)r * ldb + dim;
+        for (int c = q + LAH_CL * threadIdx.x; c < tail_cols; c += LAH_CL * blockDim.x) {
+            float v = 0.f;
+            if (nr > 0 && c / W == (int)slot) {
+                const int rem = c - (int)slot * W, j = rem / R, i = rem - j * R;
+                if (i < rank) {
+                    for (u32 b = 0; b < LAH_CL; ++b) v += ld_cluster(&part[1 + j * rank + i], b);
+                    v = v * inv * scal[slot * 3 + j];
+                }
+            }
+            tb[c] = f2bf(v);
+        }
+    }
     cluster_barrier(); // no block leaves while another may still read its shared memory
 #undef LAH_LOAD_A
 }
@@ -201,18 +220,18 @@ __device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, cons
         float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, \
         int dim, int ldb, float eps, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, int n_slices, \
         int R,                                                                                                                                   \
-        float* __restrict__ t) {                                                                                                                \
+        float* __restrict__ t, const float* __restrict__ scal, int tail_cols) {                                                                 \
         rms_norm_shrink_body<CPL, false>(x, delta, w, out, outb, dim, ldb, eps, A, G, C, ranks, n_slices, R, t, nullptr, 0, nullptr, nullptr, nullptr, \
-                                         nullptr, 0, 0);                                                                                        \
+                                         nullptr, 0, 0, scal, tail_cols);                                                                       \
     }                                                                                                                                           \
     extern "C" __global__ void __launch_bounds__(LAH_THREADS, LAH_MIN_BLOCKS) rms_norm_lora2_##CPL(                                                             \
         float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ w, float* __restrict__ out, bf16_t* __restrict__ outb, \
         int dim, int ldb, float eps, const bf16_t* __restrict__ A, const u32* __restrict__ G, int C, const u32* __restrict__ ranks, int n_slices, \
         int R,                                                                                                                                   \
         float* __restrict__ t, const float* __restrict__ xp, int in_p, const bf16_t* __restrict__ Ap, const bf16_t* __restrict__ Btp,           \
-        const u32* __restrict__ ranks_p, const float* __restrict__ scal_p, int R_p, int b_ld_p) {                                                \
+        const u32* __restrict__ ranks_p, const float* __restrict__ scal_p, int R_p, int b_ld_p, const float* __restrict__ scal, int tail_cols) { \
         rms_norm_shrink_body<CPL, true>(x, delta, w, out, outb, dim, ldb, eps, A, G, C, ranks, n_slices, R, t, xp, in_p, Ap, Btp, ranks_p, scal_p,    \
-                                        R_p, b_ld_p);                                                                                           \
+                                        R_p, b_ld_p, scal, tail_cols);                                                                          \
     }
 RMS_NORM_SHRINK(1)
 RMS_NORM_SHRINK(2)

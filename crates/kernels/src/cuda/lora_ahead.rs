@@ -12,6 +12,7 @@
 //! correctness.
 
 use super::lora::{dev_buf, LoraLaunch};
+use super::lora_tail::TailStep;
 use super::*;
 
 /// Steps of at most this many rows compute the shrink in the norm (decode steps: the GEMM of a
@@ -40,6 +41,15 @@ impl Ahead {
         let g = call.groups.packed;
         Ahead { a: dev_buf(&call.buffers.a).ptr, entry: call.entry, groups: (g.as_ptr() as usize, g.len()), rows, touches }
     }
+}
+
+/// The shrink a norm computed for the projection after it (`take_lora_ahead`): `t`'s device
+/// address, and the tail step whose t̂ it also placed beside its bf16 copy (at that copy's
+/// address), if it did (`lora_tail.rs`, `QUIVER_CUDA_LORA_TAIL=ahead|rows`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LoraAhead {
+    pub(super) t: u64,
+    pub(super) placed: Option<(TailStep, u64)>,
 }
 
 impl CudaDevice {
@@ -93,29 +103,35 @@ impl CudaDevice {
             self.grow(&mut st.lora_ahead_t, need);
         }
         let ob = self.shadow_for(&mut st, rows, dim);
+        // With the site's tail taking this step's rows, the norm places t̂ too.
+        let placed = if ob.ptr == 0 { None } else { self.lora_tail_ahead_step(next, rows, ob.ld) };
+        let tail_cols = placed.map_or(0, |t| t.cols) as i32;
         let dp = delta.map(buf).unwrap_or(0);
         match deferred {
             None => launch!(self, self.k.rms_norm_shrink[fi], (rows as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
-                buf(x), dp, buf(w), buf(out), ob.ptr, dim as i32, ob.ld as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr),
+                buf(x), dp, buf(w), buf(out), ob.ptr, dim as i32, ob.ld as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr,
+                site.scal, tail_cols),
             Some(d) => {
                 let p = d.site;
                 launch!(self, self.k.rms_norm_lora2[fi], (rows as u32 * CLUSTER, 1, 1), (THREADS, 1, 1), smem = 0, cluster = CLUSTER;
                     buf(x), dp, buf(w), buf(out), ob.ptr, dim as i32, ob.ld as i32, eps, site.a, site.gp, site.cap as i32, site.ranks, sh.n_slices as i32, sh.max_rank as i32, st.lora_ahead_t.ptr,
-                    d.x, p.shape.in_dim as i32, p.a, p.b, p.ranks, p.scal, p.shape.max_rank as i32, p.shape.b_ld as i32)
+                    d.x, p.shape.in_dim as i32, p.a, p.b, p.ranks, p.scal, p.shape.max_rank as i32, p.shape.b_ld as i32, site.scal, tail_cols)
             }
         }
         self.set_shadow(&mut st, ob, buf(out), rows * dim);
         st.lora_ahead = Some(Ahead::of(next, rows, self.touches.load(std::sync::atomic::Ordering::Relaxed)));
+        st.lora_ahead_placed = placed.map(|t| (t, ob.ptr));
         self.lora_ahead_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.mark("rms_norm + lora shrink");
     }
 
-    /// The shrink the norm just computed for `call` over `rows` rows (its device address), if
-    /// nothing has been queued since; clears it either way.
-    pub(super) fn take_lora_ahead(&self, call: &LoraCall<'_>, rows: usize) -> Option<u64> {
+    /// The shrink the norm just computed for `call` over `rows` rows, if nothing has been
+    /// queued since; clears it either way.
+    pub(super) fn take_lora_ahead(&self, call: &LoraCall<'_>, rows: usize) -> Option<LoraAhead> {
         let mut st = self.state.lock().unwrap();
+        let placed = st.lora_ahead_placed.take();
         let ahead = st.lora_ahead.take()?;
-        (ahead == Ahead::of(call, rows, self.touches.load(std::sync::atomic::Ordering::Relaxed))).then_some(st.lora_ahead_t.ptr)
+        (ahead == Ahead::of(call, rows, self.touches.load(std::sync::atomic::Ordering::Relaxed))).then_some(LoraAhead { t: st.lora_ahead_t.ptr, placed })
     }
 
     /// `y += s_j · t · Bᵀ` for `call`, with `t` the shrink computed ahead.

@@ -15,6 +15,7 @@
 
 use super::blas::Mat;
 use super::lora::dev_buf;
+use super::lora_ahead::LoraAhead;
 use super::lora_gemm::for_runs;
 use super::*;
 use crate::lora::{LoraCall, LoraSiteBuffers, LoraTail, MAX_SLICES};
@@ -83,10 +84,10 @@ pub(super) enum TailRows {
 
 /// The tail a step of rows adds its delta through: the site tail's slot count, and the
 /// columns of it the step's GEMM reads.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) struct TailStep {
     slots: usize,
-    cols: usize,
+    pub(super) cols: usize,
 }
 
 /// Widest shrink (`n·R`) the rows' tail kernel holds (`lora_tail.cu` `TAIL_MAX_W`).
@@ -261,14 +262,32 @@ impl CudaDevice {
     /// replays under any adapter mix: the whole tail), the step's own slots for an eager one
     /// (the tail's columns through its highest slot).
     fn lora_tail_step(&self, call: &LoraCall<'_>, m: usize, w: &Weight) -> Option<TailStep> {
-        let sh = call.shape();
-        if m <= GEMV_MAX_M || self.splits(w.rows, w.cols) || sh.shrink_width() > TAIL_MAX_W {
+        tail_of(call, w)?;
+        self.lora_tail_step_of(call, m)
+    }
+
+    /// What the norm before a site places t̂ for (`rms_norm_shrink`'s tail columns, so the
+    /// projection launches no `lora_tail_shrink`): the step [`Self::lora_tail_rows_fits`] takes
+    /// for the site's shrink computed ahead, when the norm's bf16 copy (rows `ldb` apart) has
+    /// room for its columns. The projection checks that it takes the same step over the same
+    /// copy before it skips its own placing, so a mismatch costs a launch, never correctness.
+    pub(super) fn lora_tail_ahead_step(&self, call: &LoraCall<'_>, m: usize, ldb: usize) -> Option<TailStep> {
+        if self.lora_tail.rows == TailRows::Off {
             return None;
         }
-        let slots = tail_of(call, w)?;
-        let WeightData::Cuda(_, _, ldw) = &w.data else { return None };
+        self.lora_tail_step_of(call, m).filter(|t| ldb >= call.shape().in_dim + t.cols)
+    }
+
+    /// [`Self::lora_tail_step`] without the weight: the site's tail (attached only to a weight
+    /// of the site's shape, its columns `ld - in_dim` wide) and the step's slots.
+    fn lora_tail_step_of(&self, call: &LoraCall<'_>, m: usize) -> Option<TailStep> {
+        let sh = call.shape();
+        if m <= GEMV_MAX_M || self.splits(sh.out_dim(), sh.in_dim) || sh.shrink_width() > TAIL_MAX_W {
+            return None;
+        }
+        let (ld, slots) = call.buffers.tail.lock().unwrap().as_ref().map(|t| (t.ld, t.slots))?;
         if self.recording.load(std::sync::atomic::Ordering::Relaxed) {
-            return (slots >= sh.slots).then_some(TailStep { slots, cols: ldw - w.cols });
+            return (slots >= sh.slots).then_some(TailStep { slots, cols: ld - sh.in_dim });
         }
         // The packed groups' tile slots (`kernels::lora::pack_tiles`).
         let (g, cap) = (call.groups.packed, call.groups.rows);
@@ -282,10 +301,11 @@ impl CudaDevice {
     /// (a recorded step: the whole tail, so its launches do not depend on the step's adapters
     /// and it replays under any mix), then `epilogue`: one kernel writes
     /// each row's scaled shrink (from `t_ahead`, the norm's, or its own from x) beside x's bf16
-    /// copy and zeros in the other slots' columns (`lora_tail_shrink`), one GEMM adds every
-    /// row's delta. Replaces the shrink, the expand and the LoRA epilogue of the kernels' path.
+    /// copy and zeros in the other slots' columns (`lora_tail_shrink`; none when the norm that
+    /// computed `t_ahead` already placed it there for this step), one GEMM adds every row's
+    /// delta. Replaces the shrink, the expand and the LoRA epilogue of the kernels' path.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn lora_tail_rows(&self, call: &LoraCall<'_>, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor, tail: TailStep, t_ahead: Option<u64>) {
+    pub(super) fn lora_tail_rows(&self, call: &LoraCall<'_>, x: &Tensor, m: usize, w: &Weight, bias: Option<&Tensor>, epilogue: Epilogue<'_>, y: &mut Tensor, tail: TailStep, t_ahead: Option<LoraAhead>) {
         let WeightData::Cuda(wb, DType::Bf16, ldw) = &w.data else { unreachable!("lora_tail_rows_fits takes bf16 weights") };
         let (n, k, TailStep { slots, cols }) = (w.rows, w.cols, tail);
         let xb = self.bf16_input(x, m, k);
@@ -294,11 +314,15 @@ impl CudaDevice {
         let mut st = self.state.lock().unwrap();
         let site = self.lora_site(&mut st, call).expect("a LoRA step with rows");
         drop(st);
-        let xp = if t_ahead.is_some() { 0 } else { buf(x) };
-        launch!(self, self.k.lora_tail_shrink, (m as u32, 1, 1), (256, 1, 1);
-            xp, k as i32, t_ahead.unwrap_or(0), sh.shrink_width() as i32, site.a, site.gp, site.cap as i32, site.ranks, site.scal,
-            sh.n_slices as i32, sh.max_rank as i32, slots as i32, xb.ptr, xb.ld as i64, cols as i32);
-        self.mark("lora tail shrink");
+        // The norm before placed t̂ in this very copy for this step (`rms_norm_shrink`).
+        let placed = t_ahead.is_some_and(|a| a.placed == Some((tail, xb.ptr)));
+        if !placed {
+            let xp = if t_ahead.is_some() { 0 } else { buf(x) };
+            launch!(self, self.k.lora_tail_shrink, (m as u32, 1, 1), (256, 1, 1);
+                xp, k as i32, t_ahead.map_or(0, |a| a.t), sh.shrink_width() as i32, site.a, site.gp, site.cap as i32, site.ranks, site.scal,
+                sh.n_slices as i32, sh.max_rank as i32, slots as i32, xb.ptr, xb.ld as i64, cols as i32);
+            self.mark("lora tail shrink");
+        }
         self.touch();
         self.blas.gemm_xwt(blas::Operand::Bf16, m, n, k + cols, Mat { ptr: wb.ptr, ld: *ldw }, xb, buf(y), false).unwrap_or_else(|e| panic!("{}: {e:#}", self.name));
         self.mark("matmul cublas over the lora tail");

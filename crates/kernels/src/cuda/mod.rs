@@ -99,6 +99,8 @@ struct State {
     /// call it is for (`lora_ahead.rs`).
     lora_ahead_t: DevBuf,
     lora_ahead: Option<lora_ahead::Ahead>,
+    /// The tail step whose t̂ that norm placed beside its bf16 copy (at that address), if any.
+    lora_ahead_placed: Option<(lora_tail::TailStep, u64)>,
     /// o_proj's or down_proj's delta left for the next norm to add (`lora_epilogue.rs`).
     lora_deferred: Option<lora_epilogue::Deferred>,
     /// The fused single-row LoRA GEMV's four counters (gemv.cu `GemvLora::ctr`): zero
