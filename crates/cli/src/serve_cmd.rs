@@ -275,6 +275,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         }
     }
     let lora_enabled = a.enable_lora || !adapters.is_empty() || a.lora_dir.is_some();
+    let mut cfg = cfg;
+    cfg.lora_enabled = lora_enabled;
     let path = model_path::resolve(a.model.clone())?;
     let served = if a.served_model_name.is_empty() {
         vec![path.file_stem().map(|s| s.to_string_lossy().trim_end_matches(".Q4_1").to_string()).unwrap_or_else(|| "model".into()).replace(':', "_")]
@@ -295,7 +297,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let device = open_device(a.device)?;
     let lm = quiver_model::loader::load_model_tp(&path, device, a.dtype, a.tensor_parallel_size).with_context(|| format!("loading {}", path.display()))?;
     pb.inc(1);
-    let mut cfg = cfg;
     if a.task == "embed" || a.is_embedding {
         cfg.task = quiver_engine::Task::Embed(embedding_spec(&path, lm.model.config.hidden_size, &pb)?);
     }

@@ -50,6 +50,11 @@ pub struct EngineConfig {
     pub max_loaded_loras: usize,
     pub lora_backend: String,
     pub lora_target_modules: Vec<LoraModule>,
+    /// Adapters may be loaded at all (the server's `--enable-lora` and its kin). Without, the
+    /// engine keeps the smallest LoRA pool (one slot of rank 1) and attaches no LoRA tails to
+    /// the base weights (on CUDA those take up to 512 columns beside each projection, ~1.3 GB
+    /// on an 8B model at the default rank, out of the KV cache's budget).
+    pub lora_enabled: bool,
     pub eviction_policy: EvictionPolicy,
     /// Token rows per forward step (decode rows + prefill chunks).
     pub max_num_batched_tokens: usize,
@@ -99,6 +104,7 @@ impl Default for EngineConfig {
             max_loaded_loras: 64,
             lora_backend: quiver_lora::backend::DEFAULT_BACKEND.to_string(),
             lora_target_modules: LoraModule::PROJECTIONS.to_vec(),
+            lora_enabled: true,
             eviction_policy: EvictionPolicy::Lru,
             max_num_batched_tokens: 2048,
             chunked_prefill_size: 512,

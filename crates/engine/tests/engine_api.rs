@@ -1,6 +1,6 @@
 //! Request-level behaviour on the tiny random model: stop strings and ids, logprobs, seeded
 //! sampling independent of the batch, n > 1 sharing the prompt, cancellation, limits, adapter
-//! lifecycle (waiting on a load, replace, unload, compare-and-swap).
+//! lifecycle (waiting on a load, replace, unload, compare-and-swap), an engine without LoRA.
 
 mod common;
 
@@ -170,6 +170,24 @@ fn adapter_lifecycle_load_wait_replace_unload() {
     let bad = make_adapters("bad", &oracle_lm.model.lora_dims(), 1, 32, 0.5, 1);
     let e = h.load_adapter_blocking("big", &bad[0], false, false, None).unwrap_err();
     assert!(matches!(e, AdapterError::Invalid(ref m) if m.contains("big")), "{e}");
+    h.shutdown_and_join();
+}
+
+/// An engine without LoRA (`lora_enabled: false`, a server without `--enable-lora`) keeps the
+/// smallest pool and refuses adapter loads by name, before any file is read; base requests
+/// run as in a LoRA engine.
+#[test]
+fn an_engine_without_lora_refuses_adapters_and_serves_base() {
+    let (lm, ref_lm) = (tiny(21), tiny(21));
+    let vocab = lm.model.config.vocab_size;
+    let paths = make_adapters("nolora", &lm.model.lora_dims(), 1, 8, 0.5, 31);
+    let h = Engine::start(lm, EngineConfig { lora_enabled: false, ..Default::default() }).unwrap();
+    let e = h.load_adapter_blocking("a", &paths[0], false, false, None).unwrap_err();
+    assert!(matches!(e, AdapterError::Invalid(ref m) if m.contains("`a`") && m.contains("not enabled")), "{e}");
+    assert!(h.adapters().is_empty());
+    let p = prompt(5, 11, vocab);
+    let got = h.submit(greedy(p.clone(), 8)).unwrap().collect_blocking();
+    assert_eq!(got.tokens[0], alone(&ref_lm.model, None, &p, 8, &[]));
     h.shutdown_and_join();
 }
 

@@ -136,6 +136,9 @@ impl EngineHandle {
         if name.is_empty() {
             return Err(AdapterError::Invalid("adapter name is empty".into()));
         }
+        if !self.config().lora_enabled {
+            return Err(AdapterError::Invalid(format!("LoRA adapter `{name}`: LoRA is not enabled in this engine (start the server with --enable-lora)")));
+        }
         let mut table = sh.adapters.lock().unwrap();
         if !sh.accepting.load(Ordering::SeqCst) {
             return Err(AdapterError::ShuttingDown);

@@ -191,9 +191,11 @@ impl Engine {
         let mean_pooling = embedding.as_ref().is_some_and(|e| e.pooling == quiver_model::Pooling::Mean);
         let max_model_len = cfg.max_model_len.unwrap_or(c.max_position_embeddings).min(model.rope.max_pos).max(1);
         let dims = model.lora_dims();
+        // No adapter can come: the smallest pool (the engine's batches still carry LoRA info).
+        let (slots, rank) = if cfg.lora_enabled { (cfg.max_loras_per_batch, cfg.max_lora_rank) } else { (1, 1) };
         let lcfg = LoraConfig {
-            max_loras_per_batch: cfg.max_loras_per_batch,
-            max_lora_rank: cfg.max_lora_rank,
+            max_loras_per_batch: slots,
+            max_lora_rank: rank,
             max_loaded_loras: cfg.max_loaded_loras,
             eviction_policy: cfg.eviction_policy,
             backend: cfg.lora_backend.clone(),
@@ -210,7 +212,9 @@ impl Engine {
         }
         // Where the device adds deltas inside the base GEMM (CUDA: long prompts), the sites' base
         // weights get room for B, before any adapter is resident.
-        model.attach_lora_tails(manager.pool());
+        if cfg.lora_enabled {
+            model.attach_lora_tails(manager.pool());
+        }
         // Host-cache reloads go through the loader thread too (see `adapters`).
         manager.set_disk_reload(false);
         let bs = cfg.block_size;
