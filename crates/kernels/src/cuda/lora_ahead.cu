@@ -188,27 +188,26 @@ __device__ __forceinline__ void rms_norm_shrink_body(float* __restrict__ x, cons
         reinterpret_cast<float4*>(out + base)[i] = o;
         if (outb) store_bf16x4(outb + (size_t)r * ldb + k0 + 4 * i, o);
     }
+    // With the site's LoRA tail (tail_cols > 0, lora_tail.rs `TailRows`) t̂ goes beside the bf16
+    // copy as `lora_tail_shrink` would place it: s_j·t in column slot·W + j·R + i for slice j's
+    // rank index i, zeros in every other column (other slots, base rows, i ≥ rank).
+    const int rank = nr > 0 ? nr / n_slices : 0;
+    // (The host sizes tail_cols to hold every row's slot; the bound keeps a write in the room.)
+    bf16_t* tb = outb && tail_cols > 0 ? outb + (size_t)r * ldb + dim : nullptr;
+    const bool tb_slot = tb && nr > 0 && ((int)slot + 1) * W <= tail_cols;
     for (int j = q + LAH_CL * threadIdx.x; j < nr; j += LAH_CL * blockDim.x) {
         float s = 0.f;
         for (u32 b = 0; b < LAH_CL; ++b) s += ld_cluster(&part[1 + j], b);
         t[(size_t)pos * W + j] = s * inv;
+        if (tb_slot) {
+            const int js = j / rank;
+            tb[slot * W + js * R + (j - js * rank)] = f2bf(s * inv * scal[slot * 3 + js]);
+        }
     }
-    if (outb) {
-        // The site's LoRA tail (tail_cols > 0, lora_tail.rs `TailRows`): t̂ beside the bf16 copy,
-        // s_j·t_j in column slot·W + j·R + i of slice j's rank index i, zeros in every other
-        // column (other slots, base rows), as `lora_tail_shrink` would place it.
-        const int rank = nr / n_slices;
-        bf16_t* tb = outb + (size_t)r * ldb + dim;
+    if (tb) {
         for (int c = q + LAH_CL * threadIdx.x; c < tail_cols; c += LAH_CL * blockDim.x) {
-            float v = 0.f;
-            if (nr > 0 && c / W == (int)slot) {
-                const int rem = c - (int)slot * W, j = rem / R, i = rem - j * R;
-                if (i < rank) {
-                    for (u32 b = 0; b < LAH_CL; ++b) v += ld_cluster(&part[1 + j * rank + i], b);
-                    v = v * inv * scal[slot * 3 + j];
-                }
-            }
-            tb[c] = f2bf(v);
+            const int rem = c - (int)slot * W, i = rem - (rem / R) * R;
+            if (!tb_slot || rem < 0 || rem >= W || i >= rank) tb[c] = f2bf(0.f); // the loop above writes the rest
         }
     }
     cluster_barrier(); // no block leaves while another may still read its shared memory

@@ -93,6 +93,11 @@ pub(super) struct TailStep {
 /// Widest shrink (`n·R`) the rows' tail kernel holds (`lora_tail.cu` `TAIL_MAX_W`).
 const TAIL_MAX_W: usize = 192;
 
+/// `call`'s site tail: its row stride and slot count.
+fn site_tail(call: &LoraCall<'_>) -> Option<(usize, usize)> {
+    call.buffers.tail.lock().unwrap().as_ref().map(|t| (t.ld, t.slots))
+}
+
 /// The slot count of `call`'s site tail when `w` is the weight it lives in.
 fn tail_of(call: &LoraCall<'_>, w: &Weight) -> Option<usize> {
     let (at, ld, slots) = call.buffers.tail.lock().unwrap().as_ref().map(|t| (t.at, t.ld, t.slots))?;
@@ -262,8 +267,8 @@ impl CudaDevice {
     /// replays under any adapter mix: the whole tail), the step's own slots for an eager one
     /// (the tail's columns through its highest slot).
     fn lora_tail_step(&self, call: &LoraCall<'_>, m: usize, w: &Weight) -> Option<TailStep> {
-        tail_of(call, w)?;
-        self.lora_tail_step_of(call, m)
+        let WeightData::Cuda(_, _, ld) = &w.data else { return None };
+        self.lora_tail_step_of(call, m, (*ld, tail_of(call, w)?))
     }
 
     /// What the norm before a site places t̂ for (`rms_norm_shrink`'s tail columns, so the
@@ -275,17 +280,16 @@ impl CudaDevice {
         if self.lora_tail.rows == TailRows::Off {
             return None;
         }
-        self.lora_tail_step_of(call, m).filter(|t| ldb >= call.shape().in_dim + t.cols)
+        self.lora_tail_step_of(call, m, site_tail(call)?).filter(|t| ldb >= call.shape().in_dim + t.cols)
     }
 
-    /// [`Self::lora_tail_step`] without the weight: the site's tail (attached only to a weight
-    /// of the site's shape, its columns `ld - in_dim` wide) and the step's slots.
-    fn lora_tail_step_of(&self, call: &LoraCall<'_>, m: usize) -> Option<TailStep> {
+    /// [`Self::lora_tail_step`] given the site's tail `(ld, slots)` (attached only to a weight
+    /// of the site's shape, so its columns are `ld - in_dim` wide), whoever read it.
+    fn lora_tail_step_of(&self, call: &LoraCall<'_>, m: usize, (ld, slots): (usize, usize)) -> Option<TailStep> {
         let sh = call.shape();
         if m <= GEMV_MAX_M || self.splits(sh.out_dim(), sh.in_dim) || sh.shrink_width() > TAIL_MAX_W {
             return None;
         }
-        let (ld, slots) = call.buffers.tail.lock().unwrap().as_ref().map(|t| (t.ld, t.slots))?;
         if self.recording.load(std::sync::atomic::Ordering::Relaxed) {
             return (slots >= sh.slots).then_some(TailStep { slots, cols: ld - sh.in_dim });
         }
